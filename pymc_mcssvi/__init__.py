@@ -1,0 +1,33 @@
+"""Natural-gradient structured SVI for two-level PyMC models.
+
+Importing the package registers ``"mcssvi"``, ``"hmcssvi"`` and ``"sdsvi"``
+with :func:`pymc.fit`::
+
+    import pymc as pm
+    import pymc_mcssvi  # noqa: F401
+
+    with model:
+        approx = pm.fit(method="hmcssvi")
+    idata = approx.sample(1000)
+"""
+
+from pymc_mcssvi.exceptions import DivergenceError, UnsupportedModelError
+from pymc_mcssvi.pymc.approximation import StructuredApproximation
+from pymc_mcssvi.pymc.inference import HMCSSVI, MCSSVI, SDSVI, StructuredVI
+from pymc_mcssvi.pymc.registration import register as _register
+from pymc_mcssvi.recognize.model import recognize
+
+__all__ = [
+    "HMCSSVI",
+    "MCSSVI",
+    "SDSVI",
+    "DivergenceError",
+    "StructuredApproximation",
+    "StructuredVI",
+    "UnsupportedModelError",
+    "recognize",
+]
+
+__version__ = "0.1.0.dev0"
+
+_register()

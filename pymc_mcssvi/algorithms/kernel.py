@@ -1,0 +1,218 @@
+r"""The compiled iteration: evaluate a candidate, accept or back off, step.
+
+One call of the compiled function (one iteration) does::
+
+    evaluate bound, g, H (and the hyperparameter gradient) at the candidate
+    accept  = bound is finite  and  (schedule not monotone  or  bound did not decrease)
+    base    = candidate if accept else base           (last good state)
+    g, H    = those of the new base (cached when rejected)
+    scale   = grow / shrink the step-size multiplier
+    candidate = algorithm.step(base, g, H, rho_t)     (and a hyperparameter step)
+
+so each iteration costs one bound evaluation and one step, a rejected candidate
+costs one iteration, and the approximation always holds the best accepted state.
+Because ``g`` and ``H`` of the base are cached, backing off needs no
+re-evaluation: the next candidate is the same natural step with a smaller ``rho``.
+A run of rejections that drives the step size to zero means the bound cannot be
+evaluated near the current state: the Python loop raises
+:class:`~pymc_mcssvi.exceptions.DivergenceError` and the base state is kept.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pytensor
+import pytensor.tensor as pt
+from pytensor.graph.replace import graph_replace
+
+from pymc_mcssvi.algorithms.optimizers import Optimizer
+from pymc_mcssvi.families.gaussian import GaussianBlocks
+
+__all__ = ["HyperSpec", "StepKernel"]
+
+
+@dataclass
+class HyperSpec:
+    """Point-estimated hyperparameters in PyMC's unconstrained space.
+
+    Attributes
+    ----------
+    values : list of TensorVariable
+        The model's value variables (unconstrained) of the hyperparameters.
+    shapes : list of tuple
+    init : np.ndarray
+        Flat initial point.
+    optimizer : Optimizer
+    """
+
+    values: list
+    shapes: list
+    init: np.ndarray
+    optimizer: Optimizer
+
+    @property
+    def size(self) -> int:
+        return int(self.init.size)
+
+    def replacements(self, flat):
+        out, off = {}, 0
+        for v, shp in zip(self.values, self.shapes, strict=True):
+            n = int(np.prod(shp, dtype=int))
+            out[v] = flat[off : off + n].reshape(shp).astype(v.dtype)
+            off += n
+        return out
+
+
+def _shared(value, name):
+    value = np.asarray(value, dtype="float64")
+    return pytensor.shared(value, name=name, shape=value.shape)
+
+
+class StepKernel:
+    """Shared state and symbolic update of one structured-VI run.
+
+    Parameters
+    ----------
+    bound : StructuredBound
+    algorithm : Algorithm
+    schedule : Schedule
+    init_means, init_factors : list of np.ndarray
+        Initial q per segment (factor in the algorithm's parameterization).
+    hypers : HyperSpec or None
+    monotone : bool
+        Reject candidates whose bound is lower (valid when the bound estimate is
+        deterministic: full batch and quadrature / fixed draws).
+    """
+
+    def __init__(self, bound, algorithm, schedule, init_means, init_factors, hypers=None, monotone=True):
+        self.bound = bound
+        self.algorithm = algorithm
+        self.schedule = schedule
+        self.hypers = hypers
+        self.monotone = bool(monotone)
+        nseg = len(init_means)
+        self.base_mean = [_shared(m, f"base_mean_{s}") for s, m in enumerate(init_means)]
+        self.base_factor = [_shared(f, f"base_factor_{s}") for s, f in enumerate(init_factors)]
+        self.cand_mean = [_shared(m, f"cand_mean_{s}") for s, m in enumerate(init_means)]
+        self.cand_factor = [_shared(f, f"cand_factor_{s}") for s, f in enumerate(init_factors)]
+        self.base_g = [_shared(np.zeros_like(m), f"base_g_{s}") for s, m in enumerate(init_means)]
+        self.base_H = [_shared(np.zeros_like(f), f"base_H_{s}") for s, f in enumerate(init_factors)]
+        self.base_bound = _shared(-np.inf, "base_bound")
+        self.scale = _shared(schedule.initial_scale(), "step_scale")
+        self.t = _shared(0.0, "accepted_steps")
+        opt0 = algorithm.init_opt_state(init_means, init_factors)
+        self.base_opt = [self._shared_tree(o, f"base_opt_{s}") for s, o in enumerate(opt0)]
+        self.cand_opt = [self._shared_tree(o, f"cand_opt_{s}") for s, o in enumerate(opt0)]
+        if hypers is not None and hypers.size:
+            self.base_h = _shared(hypers.init, "base_hyper")
+            self.cand_h = _shared(hypers.init, "cand_hyper")
+            self.base_hgrad = _shared(np.zeros(hypers.size), "base_hyper_grad")
+            self.base_hopt = self._shared_tree(hypers.optimizer.init(hypers.init), "base_hyper_opt")
+            self.cand_hopt = self._shared_tree(hypers.optimizer.init(hypers.init), "cand_hyper_opt")
+        else:
+            self.hypers = None
+        self.nseg = nseg
+
+    @staticmethod
+    def _shared_tree(tree, name):
+        return tuple(tuple(_shared(x, f"{name}_{i}_{j}") for j, x in enumerate(part)) for i, part in enumerate(tree)) if (
+            tree and isinstance(tree[0], tuple)
+        ) else tuple(_shared(x, f"{name}_{i}") for i, x in enumerate(tree))
+
+    # ------------------------------------------------------------------ graphs
+    def base_states(self):
+        return [GaussianBlocks(m, f) for m, f in zip(self.base_mean, self.base_factor, strict=True)]
+
+    def hyper_replacements(self, which="base"):
+        if self.hypers is None:
+            return {}
+        return self.hypers.replacements(self.base_h if which == "base" else self.cand_h)
+
+    def build(self):
+        """Outputs ``[base_bound, cand_bound, accepted, rho]`` and the shared-variable updates."""
+        alg = self.algorithm
+        cand = [GaussianBlocks(m, f) for m, f in zip(self.cand_mean, self.cand_factor, strict=True)]
+        ev = self.bound.evaluate(cand)
+        repl = self.hyper_replacements("cand")
+        value = ev.value
+        outs = [value, *ev.grads, *ev.hessians]
+        if repl:
+            outs = graph_replace(outs, repl, strict=False)
+        value, grads, hessians = outs[0], outs[1 : 1 + self.nseg], outs[1 + self.nseg :]
+        finite = pt.isfinite(value)
+        for x in [*grads, *hessians]:
+            finite = finite & pt.all(pt.isfinite(x))
+        hgrad = None
+        if self.hypers is not None:
+            hgrad = pt.grad(pt.switch(finite, value, 0.0), self.cand_h)
+            finite = finite & pt.all(pt.isfinite(hgrad))
+        if self.monotone:
+            tol = 1e-9 * pt.abs(self.base_bound) + 1e-9
+            better = pt.or_(~pt.isfinite(self.base_bound), value >= self.base_bound - tol)
+            accept = finite & better
+        else:
+            accept = finite
+        sel = lambda a, b: pt.switch(accept, a, b)  # noqa: E731
+        new_base = [GaussianBlocks(sel(c.mean, m), sel(c.factor, f)) for c, m, f in zip(cand, self.base_mean, self.base_factor, strict=True)]
+        g = [sel(gc, gb) for gc, gb in zip(grads, self.base_g, strict=True)]
+        H = [sel(hc, hb) for hc, hb in zip(hessians, self.base_H, strict=True)]
+        new_bound = sel(value, self.base_bound)
+        opt = [_select_tree(accept, c, b) for c, b in zip(self.cand_opt, self.base_opt, strict=True)]
+        scale = self.schedule.next_scale(self.scale, accept)
+        t = self.t + pt.cast(accept, "float64")
+        rho = pt.minimum(self.schedule.base(t) * scale, 1.0)
+        # Plain values for NaN-free arithmetic in the unused branch.
+        g_safe = [pt.switch(pt.isfinite(x), x, 0.0) for x in g]
+        H_safe = [pt.switch(pt.isfinite(x), x, 0.0) for x in H]
+        next_cand, next_opt = alg.step(new_base, g_safe, H_safe, rho, scale, t, opt)
+
+        updates = {}
+        for s in range(self.nseg):
+            updates[self.base_mean[s]] = new_base[s].mean
+            updates[self.base_factor[s]] = new_base[s].factor
+            updates[self.cand_mean[s]] = next_cand[s].mean
+            updates[self.cand_factor[s]] = next_cand[s].factor
+            updates[self.base_g[s]] = g[s]
+            updates[self.base_H[s]] = H[s]
+            _tree_updates(updates, self.base_opt[s], opt[s])
+            _tree_updates(updates, self.cand_opt[s], next_opt[s])
+        updates[self.base_bound] = new_bound
+        updates[self.scale] = scale
+        updates[self.t] = t
+        if self.hypers is not None:
+            hg = sel(hgrad, self.base_hgrad)
+            hg_safe = pt.switch(pt.isfinite(hg), hg, 0.0)
+            h_base = sel(self.cand_h, self.base_h)
+            hopt = _select_tree(accept, self.cand_hopt, self.base_hopt)
+            delta, hopt_next = self.hypers.optimizer.update(hg_safe, hopt, scale, t)
+            updates[self.base_h] = h_base
+            updates[self.base_hgrad] = hg
+            updates[self.cand_h] = h_base + delta
+            _tree_updates(updates, self.base_hopt, hopt)
+            _tree_updates(updates, self.cand_hopt, hopt_next)
+        outputs = [new_bound, value, pt.cast(accept, "int8"), rho]
+        return outputs, updates
+
+    def reset_candidate(self):
+        """Make the candidate equal to the base (used after a divergence)."""
+        for s in range(self.nseg):
+            self.cand_mean[s].set_value(self.base_mean[s].get_value())
+            self.cand_factor[s].set_value(self.base_factor[s].get_value())
+        if self.hypers is not None:
+            self.cand_h.set_value(self.base_h.get_value())
+
+
+def _select_tree(cond, a, b):
+    if isinstance(a, tuple):
+        return tuple(_select_tree(cond, x, y) for x, y in zip(a, b, strict=True))
+    return pt.switch(cond, a, b)
+
+
+def _tree_updates(updates, shared_tree, values):
+    if isinstance(shared_tree, tuple):
+        for s, v in zip(shared_tree, values, strict=True):
+            _tree_updates(updates, s, v)
+    else:
+        updates[shared_tree] = values

@@ -1,0 +1,235 @@
+r"""Predictor-space estimators of ``g = E_q[grad l]`` and ``H = E_q[hess l]``.
+
+For a term ``sum_i l_i(eta_i)`` with ``eta_i = o_i + a_i^T w`` (ARCHITECTURE.md §3)
+
+.. math::
+
+    \eta_i \sim \mathcal N(o_i + a_i^T m,\; a_i^T S a_i),\qquad
+    g = \sum_i \alpha_i a_i,\qquad H = \sum_i \beta_i a_i a_i^T,
+
+with the one-dimensional expectations ``alpha``, ``beta`` of
+:mod:`pymc_mcssvi.estimators.quadrature`. q factorizes over segments, so only the
+diagonal blocks of ``H`` that q keeps are ever formed:
+
+* *dense path* (a full segment, or a block/diag segment reached only through
+  dense designs): the rows ``a_i`` restricted to the segment are assembled into
+  an ``n x D_s`` matrix ``A`` and ``H = A^T diag(beta) A`` is one BLAS product;
+* *sparse path* (gathers into block/diag segments: random effects, PMF rows):
+  each row touches ``k`` coordinates; ``g`` and the ``K x K`` blocks of ``H`` are
+  segment sums (``inc_subtensor``) of ``n k^2`` products, and the predictor
+  variances gather entries of the covariance blocks. No ``n x D`` Jacobian is
+  formed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytensor.tensor as pt
+
+from pymc_mcssvi.recognize.affine import LinearTerm
+from pymc_mcssvi.recognize.ir import PredictorTerm, Segment
+
+__all__ = ["PredictorGeometry", "SegmentPieces"]
+
+#: Full segments up to this size take gathers through a dense one-hot design.
+DENSE_GATHER_MAX = 2048
+
+
+@dataclass
+class SegmentPieces:
+    """The parts of one predictor term that read one segment."""
+
+    segment: int
+    dense: list[tuple[np.ndarray, object]] = field(default_factory=list)  # (segment coords, vals (n|1, k))
+    sparse: list[tuple[object, object, object]] = field(default_factory=list)  # (rows, cols, vals)
+    dense_path: bool = True
+
+
+class PredictorGeometry:
+    """Everything about one predictor term that does not change between iterations.
+
+    Parameters
+    ----------
+    term : PredictorTerm
+        With terms already flattened to ``(rows, k)``.
+    segments : list of Segment
+    seg_of : dict
+        Gaussian global id to segment index.
+    n_rows : TensorVariable
+        Number of predictor entries (``prod(eta_shape)``).
+    """
+
+    def __init__(self, term: PredictorTerm, segments: list[Segment], seg_of: dict[int, int], n_rows):
+        self.term = term
+        self.segments = segments
+        self.n_rows = n_rows
+        pieces: dict[int, SegmentPieces] = {}
+        for t in term.terms:
+            s = seg_of[t.source]
+            seg = segments[s]
+            p = pieces.setdefault(s, SegmentPieces(s))
+            cols_const = _constant_cols(t)
+            if t.is_dense and cols_const is not None:
+                coords = seg.row_of[t.source][cols_const] * seg.k + seg.col_of[t.source][cols_const]
+                p.dense.append((coords, t.vals))
+            else:
+                rows = pt.constant(seg.row_of[t.source])[t.cols]
+                cols = pt.constant(seg.col_of[t.source])[t.cols]
+                p.sparse.append((rows, cols, t.vals))
+        for p in pieces.values():
+            seg = segments[p.segment]
+            if p.sparse and not (seg.kind == "full" and seg.dim <= DENSE_GATHER_MAX):
+                p.dense_path = False
+                # Dense designs into a sparse-path segment become gathers with k = D.
+                for coords, vals in p.dense:
+                    r = pt.constant(coords // seg.k)[None, :]
+                    c = pt.constant(coords % seg.k)[None, :]
+                    p.sparse.append((r, c, vals))
+                p.dense = []
+        self.pieces = list(pieces.values())
+
+    # ----------------------------------------------------------------- assembly
+    def design(self, p: SegmentPieces):
+        """Dense ``n x D_s`` design of the term restricted to segment ``p``."""
+        seg = self.segments[p.segment]
+        n = self.n_rows
+        if len(p.dense) == 1 and not p.sparse:
+            coords, vals = p.dense[0]
+            if np.array_equal(coords, np.arange(seg.dim)):
+                return _rows_vals(vals, n, len(coords))
+        A = pt.zeros((n, seg.dim))
+        for coords, vals in p.dense:
+            A = pt.inc_subtensor(A[:, coords], _rows_vals(vals, n, len(coords)))
+        for rows, cols, vals in p.sparse:
+            idx = rows * seg.k + cols
+            idx = pt.broadcast_to(idx, (n, idx.shape[-1]))
+            v = _rows_vals(vals, n, idx.shape[-1])
+            A = pt.inc_subtensor(A[pt.arange(n)[:, None], idx], v)
+        return A
+
+    def prepare(self):
+        """Per-iteration dense designs (computed once, shared by moments, g and H)."""
+        return {id(p): self.design(p) for p in self.pieces if p.dense_path}
+
+    # ------------------------------------------------------------------ moments
+    def moments(self, means, covs, designs):
+        """Mean and variance of the predictor under q (flattened rows).
+
+        Parameters
+        ----------
+        means : list of (R, K) tensors, one per segment
+        covs : list of (R, K, K) covariance blocks, one per segment
+        designs : dict from :meth:`prepare`
+        """
+        n = self.n_rows
+        offset = self.term.offset
+        mu = pt.zeros((n,)) if offset is None else pt.broadcast_to(offset, self.term.eta_shape).reshape((n,))
+        var = pt.zeros((n,))
+        for p in self.pieces:
+            seg = self.segments[p.segment]
+            m, S = means[p.segment], covs[p.segment]
+            if p.dense_path:
+                A = designs[id(p)]
+                mu = mu + A @ m.reshape((seg.dim,))
+                var = var + _dense_quadratic(A, S, seg)
+            else:
+                for rows, cols, vals in p.sparse:
+                    v = 1.0 if vals is None else vals
+                    mu = mu + pt.sum(v * m[rows, cols], axis=-1)
+                rows, cols, vals = _concat_sparse(p.sparse, n)
+                same = pt.eq(rows[:, :, None], rows[:, None, :])
+                Sg = S[rows[:, :, None], cols[:, :, None], cols[:, None, :]]
+                vv = vals[:, :, None] * vals[:, None, :]
+                var = var + pt.sum(pt.switch(same, vv * Sg, 0.0), axis=(1, 2))
+        return mu, var
+
+    # -------------------------------------------------------------- derivatives
+    def accumulate(self, alpha, beta, grads, hessians, designs):
+        """Add ``sum_i alpha_i a_i`` and ``sum_i beta_i a_i a_i^T`` per segment.
+
+        ``grads`` / ``hessians`` are lists (one entry per segment) of tensors or
+        ``None``; the updated lists are returned. ``beta=None`` skips ``H``.
+        """
+        n = self.n_rows
+        grads, hessians = list(grads), list(hessians)
+        for p in self.pieces:
+            seg = self.segments[p.segment]
+            R, K = seg.rows, seg.k
+            if p.dense_path:
+                A = designs[id(p)]
+                g = (alpha @ A).reshape((R, K))
+                H = None if beta is None else _dense_hessian(A, beta, seg)
+            else:
+                rows, cols, vals = _concat_sparse(p.sparse, n)
+                g = pt.zeros((R, K))
+                g = pt.inc_subtensor(g[rows, cols], vals * alpha[:, None])
+                H = None
+                if beta is not None:
+                    same = pt.eq(rows[:, :, None], rows[:, None, :])
+                    w = pt.switch(same, beta[:, None, None] * vals[:, :, None] * vals[:, None, :], 0.0)
+                    r3 = pt.broadcast_to(rows[:, :, None], w.shape)
+                    H = pt.zeros((R, K, K))
+                    H = pt.inc_subtensor(H[r3, cols[:, :, None], cols[:, None, :]], w)
+            grads[p.segment] = g if grads[p.segment] is None else grads[p.segment] + g
+            if H is not None:
+                hessians[p.segment] = H if hessians[p.segment] is None else hessians[p.segment] + H
+        return grads, hessians
+
+
+def _constant_cols(t: LinearTerm):
+    """Numeric column indices of a dense term, or None if they are data dependent."""
+    try:
+        from pytensor.graph.traversal import graph_inputs
+        from pytensor.graph.basic import Constant
+
+        if not all(isinstance(v, Constant) for v in graph_inputs([t.cols])):
+            return None
+        return np.asarray(t.cols.eval()).reshape(-1).astype("int64")
+    except Exception:
+        return None
+
+
+def _rows_vals(vals, n, k):
+    one = pt.ones((), dtype="float64")
+    v = one if vals is None else vals
+    return pt.broadcast_to(v, (n, k)).astype("float64")
+
+
+def _concat_sparse(sparse, n):
+    rows, cols, vals = [], [], []
+    for r, c, v in sparse:
+        k = pt.maximum(r.shape[-1], c.shape[-1])
+        if v is not None:
+            k = pt.maximum(k, v.shape[-1])
+        rows.append(pt.broadcast_to(r, (n, k)))
+        cols.append(pt.broadcast_to(c, (n, k)))
+        vals.append(_rows_vals(v, n, k))
+    if len(rows) == 1:
+        return rows[0], cols[0], vals[0]
+    return pt.concatenate(rows, axis=1), pt.concatenate(cols, axis=1), pt.concatenate(vals, axis=1)
+
+
+def _dense_quadratic(A, S, seg: Segment):
+    """``diag(A S A^T)`` for a design ``A`` (n x D_s) and block covariance ``S``."""
+    if seg.kind == "full":
+        return pt.sum((A @ S[0]) * A, axis=1)
+    if seg.k == 1:
+        return pt.square(A) @ S[:, 0, 0]
+    A3 = A.reshape((A.shape[0], seg.rows, seg.k))
+    AS = (A3[:, :, None, :] @ S[None])[:, :, 0, :]
+    return pt.sum(AS * A3, axis=(1, 2))
+
+
+def _dense_hessian(A, beta, seg: Segment):
+    """Diagonal blocks of ``A^T diag(beta) A`` kept by the segment's structure."""
+    if seg.kind == "full":
+        # A^T (beta * A): scaling the C-ordered design keeps the product one BLAS gemm
+        # (scaling A^T instead makes PyTensor build a strided copy first).
+        return (A.T @ (A * beta[:, None]))[None]
+    if seg.k == 1:
+        return (beta @ pt.square(A))[:, None, None]
+    A3 = A.reshape((A.shape[0], seg.rows, seg.k))
+    Ab = A3 * beta[:, None, None]
+    return pt.einsum("nrk,nrl->rkl", Ab, A3)

@@ -1,0 +1,219 @@
+r"""Gaussian variational family over one segment: ``R`` independent blocks of size ``K``.
+
+Coordinates (for one block; all functions are batched over the leading ``R`` axis):
+
+=============  ===========================================  ==============================
+coordinates    parameters                                   role
+=============  ===========================================  ==============================
+moment         mean :math:`m`, covariance :math:`S`         views, sampling, bound
+natural        :math:`(P m,\ -\tfrac12 P)`, :math:`P=S^{-1}`  MC-SSVI / H-MC-SSVI steps
+expectation    :math:`(m,\ S + m m^T)`                      gradients g, H (Bonnet/Price)
+=============  ===========================================  ==============================
+
+The state stores the mean and a triangular *factor*: with ``"precision"``
+parameterization the lower Cholesky factor ``L`` of the precision
+(:math:`P = L L^T`, what the natural-gradient algorithms update); with
+``"covariance"`` the upper factor ``C`` of the covariance (:math:`S = C^T C`, the
+paper's S-DSVI parameterization). No explicit matrix inverse is formed: every
+covariance view goes through triangular solves with the factor.
+
+The natural-gradient step (paper eq. generalSVIupdate, Gaussian case)::
+
+    P     <- (1 - rho) P     + rho (-H)
+    P m   <- (1 - rho) P m   + rho (g - H m)
+
+where ``g`` and ``H`` are the expected gradient and Hessian of the log joint
+(likelihood plus Gaussian prior). :func:`natural_step` applies it and returns
+the new factor; a Cholesky failure (indefinite precision) shows up as NaN, which
+the caller treats as a rejected step.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, NamedTuple
+
+import numpy as np
+import pytensor.tensor as pt
+
+__all__ = [
+    "GaussianBlocks",
+    "cholesky",
+    "covariance",
+    "entropy",
+    "kl_to_gaussian",
+    "natural_step",
+    "precision",
+    "sample",
+]
+
+Parameterization = Literal["precision", "covariance"]
+
+
+class GaussianBlocks(NamedTuple):
+    """Variational parameters of one segment.
+
+    Attributes
+    ----------
+    mean : TensorVariable
+        Shape ``(R, K)``.
+    factor : TensorVariable
+        Shape ``(R, K, K)``: lower Cholesky factor of the precision, or upper
+        factor ``C`` of the covariance (``S = C^T C``).
+    """
+
+    mean: pt.TensorVariable
+    factor: pt.TensorVariable
+
+
+def cholesky(P):
+    """Lower Cholesky factor of a batch of SPD matrices ``(R, K, K)``.
+
+    Notes
+    -----
+    Returns NaN (instead of raising) when a block is not positive definite, so
+    that the step function can reject the step and back off its step size.
+    ``K = 1`` avoids the batched LAPACK call.
+    """
+    if P.type.shape[-1] == 1:
+        return pt.sqrt(P)
+    return pt.linalg.cholesky(P, lower=True, on_error="nan")
+
+
+def _eye_like(factor):
+    k = factor.shape[-1]
+    return pt.broadcast_to(pt.eye(k, dtype=factor.dtype), factor.shape)
+
+
+def _lower_inverse(L):
+    """``L^{-1}`` for lower-triangular blocks (a triangular solve, not an inverse)."""
+    if L.type.shape[-1] == 1:
+        return 1.0 / L
+    return pt.linalg.solve_triangular(L, _eye_like(L), lower=True)
+
+
+def covariance(state: GaussianBlocks, parameterization: Parameterization):
+    """Covariance blocks ``S`` of shape ``(R, K, K)``.
+
+    Notes
+    -----
+    Precision parameterization: ``S = L^{-T} L^{-1}`` with ``L^{-1}`` from a
+    triangular solve; the result is exactly symmetric by construction.
+    """
+    f = state.factor
+    if parameterization == "covariance":
+        return pt.matrix_transpose(f) @ f
+    Li = _lower_inverse(f)
+    return pt.matrix_transpose(Li) @ Li
+
+
+def precision(state: GaussianBlocks, parameterization: Parameterization):
+    """Precision blocks ``P`` of shape ``(R, K, K)``."""
+    f = state.factor
+    if parameterization == "precision":
+        return f @ pt.matrix_transpose(f)
+    # P = C^{-1} C^{-T} with C upper triangular.
+    Ci = pt.matrix_transpose(_lower_inverse(pt.matrix_transpose(f)))
+    return Ci @ pt.matrix_transpose(Ci)
+
+
+def sample(state: GaussianBlocks, parameterization: Parameterization, eps):
+    """Reparameterized draws ``m + A eps`` with ``A A^T = S``.
+
+    Parameters
+    ----------
+    eps : TensorVariable
+        Standard normal draws of shape ``(..., R, K)``.
+    """
+    f = state.factor
+    if parameterization == "precision":
+        A = pt.matrix_transpose(_lower_inverse(f))  # L^{-T}
+    else:
+        A = pt.matrix_transpose(f)  # C^T
+    return state.mean + (A @ eps[..., None])[..., 0]
+
+
+def log_det_covariance(state: GaussianBlocks, parameterization: Parameterization):
+    """``log det S`` summed over blocks."""
+    d = pt.diagonal(state.factor, axis1=-2, axis2=-1)
+    ld = 2.0 * pt.sum(pt.log(pt.abs(d)))
+    return -ld if parameterization == "precision" else ld
+
+
+def entropy(state: GaussianBlocks, parameterization: Parameterization):
+    """Differential entropy of the segment, ``0.5 log det(2 pi e S)``."""
+    dim = state.mean.shape[0] * state.mean.shape[1]
+    return 0.5 * dim * (1.0 + np.log(2 * np.pi)) + 0.5 * log_det_covariance(state, parameterization)
+
+
+def kl_to_gaussian(state: GaussianBlocks, parameterization: Parameterization, prior_mean, prior_precision):
+    """``KL(q || N(prior_mean, prior_precision^{-1}))`` for block-diagonal priors.
+
+    Parameters
+    ----------
+    prior_mean : TensorVariable
+        Shape ``(R, K)``.
+    prior_precision : TensorVariable
+        Shape ``(R, K, K)``.
+
+    Notes
+    -----
+    ``tr(Pp S)`` uses the covariance view (triangular solves); the prior's log
+    determinant uses its Cholesky factor.
+    """
+    S = covariance(state, parameterization)
+    d = state.mean - prior_mean
+    trace = pt.sum(prior_precision * S)
+    quad = pt.sum(d[..., None, :] @ prior_precision @ d[..., :, None])
+    Lp = cholesky(prior_precision)
+    logdet_prior_prec = 2.0 * pt.sum(pt.log(pt.diagonal(Lp, axis1=-2, axis2=-1)))
+    dim = state.mean.shape[0] * state.mean.shape[1]
+    return 0.5 * (trace + quad - dim - logdet_prior_prec - log_det_covariance(state, parameterization))
+
+
+def natural_step(state: GaussianBlocks, g, H, rho, mean_update: bool = True) -> GaussianBlocks:
+    """MC-SSVI step on the natural parameters (precision parameterization).
+
+    Parameters
+    ----------
+    state : GaussianBlocks
+        Current mean and lower Cholesky factor of the precision.
+    g, H : TensorVariable
+        Expected gradient ``(R, K)`` and Hessian ``(R, K, K)`` of the log joint.
+    rho : scalar
+        Step size; ``rho = 1`` is the fixed-point update ``theta <- theta_p + G``.
+    mean_update : bool
+        Also update ``P m`` (MC-SSVI); with ``False`` the mean is kept
+        (H-MC-SSVI updates it by a standard gradient step instead).
+
+    Returns
+    -------
+    GaussianBlocks
+        New mean and factor; NaN if the new precision is not positive definite.
+
+    Notes
+    -----
+    ``P`` is formed from its factor; the new mean solves ``P_new m = b`` with two
+    triangular solves. For a conjugate model (Gaussian likelihood, affine
+    predictor) ``rho = 1`` lands exactly on the posterior.
+    """
+    L = state.factor
+    m = state.mean
+    P = L @ pt.matrix_transpose(L)
+    P_new = (1.0 - rho) * P - rho * H
+    P_new = 0.5 * (P_new + pt.matrix_transpose(P_new))
+    L_new = cholesky(P_new)
+    if not mean_update:
+        return GaussianBlocks(m, L_new)
+    Hm = (H @ m[..., None])[..., 0]
+    Pm = (P @ m[..., None])[..., 0]
+    b = (1.0 - rho) * Pm + rho * (g - Hm)
+    m_new = cho_solve_blocks(L_new, b)
+    return GaussianBlocks(m_new, L_new)
+
+
+def cho_solve_blocks(L, b):
+    """Solve ``(L L^T) x = b`` blockwise for ``b`` of shape ``(R, K)``."""
+    if L.type.shape[-1] == 1:
+        return b / (L[..., 0] ** 2)
+    y = pt.linalg.solve_triangular(L, b[..., None], lower=True)
+    return pt.linalg.solve_triangular(L, y, lower=True, trans=1)[..., 0]

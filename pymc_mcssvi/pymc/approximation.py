@@ -1,0 +1,193 @@
+"""PyMC ``Group`` and ``Approximation`` classes backed by the structured q.
+
+The groups read the step kernel's *accepted* state directly (its shared
+variables are the groups' parameters), so everything downstream of ``pm.fit``
+works on the result: ``approx.sample`` (ArviZ data in the constrained space
+with coords and dims), ``approx.sample_node``, ``pm.sample_posterior_predictive``
+on the samples, ``approx.mean`` / ``std`` / ``cov`` and callbacks.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytensor.tensor as pt
+from pymc.variational.opvi import Approximation, Group, node_property
+from xarray import Dataset
+
+from pymc_mcssvi.families.gaussian import GaussianBlocks, covariance, sample
+
+__all__ = ["PointGroup", "StructuredApproximation", "StructuredGaussianGroup"]
+
+
+def _scatter(target, idx, values):
+    return pt.set_subtensor(target[..., idx.reshape(-1)], values.reshape((*values.shape[:-2], -1)))
+
+
+@Group.register
+class StructuredGaussianGroup(Group):
+    """Gaussian q over the Gaussian globals, factorized over segments.
+
+    Built by the inference classes; ``segments``, ``flat_maps``, the shared means
+    and factors and the ``parameterization`` are passed as keyword arguments.
+    """
+
+    __param_spec__ = {"segment_means": ("d",), "segment_factors": ("d",)}
+    short_name = "structured_gaussian"
+    alias_names = frozenset(["sg"])
+
+    def __init_group__(self, group):
+        super().__init_group__(group)
+        kw = self._kwargs
+        self.segments = kw["segments"]
+        self.flat_maps = kw["flat_maps"]
+        self.parameterization = kw["parameterization"]
+        self.shared_means = kw["means"]
+        self.shared_factors = kw["factors"]
+        self.shared_params = {
+            **{m.name: m for m in self.shared_means},
+            **{f.name: f for f in self.shared_factors},
+        }
+        self._finalize_init()
+
+    def _states(self):
+        return [GaussianBlocks(m, f) for m, f in zip(self.shared_means, self.shared_factors, strict=True)]
+
+    @node_property
+    def symbolic_random(self):
+        eps = self.symbolic_initial
+        out = pt.zeros_like(eps)
+        for st, idx, seg in zip(self._states(), self.flat_maps, self.segments, strict=True):
+            e = eps[:, idx.reshape(-1)].reshape((eps.shape[0], seg.rows, seg.k))
+            out = _scatter(out, idx, sample(st, self.parameterization, e))
+        return out
+
+    @node_property
+    def mean(self):
+        out = pt.zeros((self.ddim,))
+        for st, idx in zip(self._states(), self.flat_maps, strict=True):
+            out = _scatter(out, idx, st.mean)
+        return out
+
+    @node_property
+    def cov(self):
+        out = pt.zeros((self.ddim, self.ddim))
+        for st, idx in zip(self._states(), self.flat_maps, strict=True):
+            S = covariance(st, self.parameterization)
+            out = pt.set_subtensor(out[idx[:, :, None], idx[:, None, :]], S)
+        return out
+
+    @node_property
+    def std(self):
+        out = pt.zeros((self.ddim,))
+        for st, idx in zip(self._states(), self.flat_maps, strict=True):
+            S = covariance(st, self.parameterization)
+            out = _scatter(out, idx, pt.sqrt(pt.diagonal(S, axis1=-2, axis2=-1)))
+        return out
+
+    @node_property
+    def symbolic_logq_not_scaled(self):
+        raise NotImplementedError("the structured q is fitted by its own bound, not by PyMC operators")
+
+
+@Group.register
+class PointGroup(Group):
+    """A point mass (type-II ML / MAP estimate) in PyMC's unconstrained space."""
+
+    __param_spec__ = {"point": ("d",)}
+    short_name = "point"
+    has_logq = False
+
+    def __init_group__(self, group):
+        super().__init_group__(group)
+        self.shared_params = {"point": self._kwargs["point"]}
+        self._finalize_init()
+
+    @node_property
+    def symbolic_random(self):
+        point = self.shared_params["point"]
+        return pt.broadcast_to(point[None, :], (self.symbolic_initial.shape[0], self.ddim))
+
+    @node_property
+    def mean(self):
+        return self.shared_params["point"]
+
+    @node_property
+    def std(self):
+        return pt.zeros((self.ddim,))
+
+    @node_property
+    def cov(self):
+        return pt.zeros((self.ddim, self.ddim))
+
+
+class StructuredApproximation(Approximation):
+    """The result of an MC-SSVI / H-MC-SSVI / S-DSVI fit.
+
+    A PyMC :class:`~pymc.variational.opvi.Approximation`: sample it with
+    :meth:`sample`, read ``hist`` (negative ELBO per iteration) and the
+    flat views :attr:`mean`, :attr:`std`, :attr:`cov` (ordered as
+    :attr:`ordering`), or the per-variable ``mean_data`` / ``std_data``.
+
+    Point-estimated hyperparameters are constant across draws; their names
+    are recorded in ``sample(...)``'s ``posterior.attrs["point_estimates"]``.
+    """
+
+    def __init__(self, groups, model=None):
+        super().__init__(groups, model=model)
+        self.hist = np.asarray(())
+        self.n_iter = 0
+        self.converged = None
+        self.point_estimates: list[str] = []
+
+    @property
+    def ordering(self):
+        """Variable name to ``(name, slice, shape, dtype)`` in the flat views."""
+        out, off = {}, 0
+        for g in self.groups:
+            for name, (nm, slc, shape, dtype) in g.ordering.items():
+                out[name] = (nm, slice(slc.start + off, slc.stop + off), shape, dtype)
+            off += g.ddim
+        return out
+
+    @node_property
+    def mean(self):
+        return pt.concatenate([g.mean for g in self.groups])
+
+    @node_property
+    def std(self):
+        return pt.concatenate([g.std for g in self.groups])
+
+    @node_property
+    def cov(self):
+        return pt.linalg.block_diag(*[g.cov for g in self.groups])
+
+    def _to_data(self, flat) -> Dataset:
+        parts = [g.var_to_data(flat[slice(*s)]) for g, s in zip(self.groups, self._group_slices(), strict=True)]
+        return Dataset({k: v for p in parts for k, v in p.data_vars.items()})
+
+    def _group_slices(self):
+        out, off = [], 0
+        for g in self.groups:
+            out.append((off, off + g.ddim))
+            off += g.ddim
+        return out
+
+    @property
+    def mean_data(self) -> Dataset:
+        """Posterior means of the value variables (unconstrained space)."""
+        return self._to_data(self.mean)
+
+    @property
+    def std_data(self) -> Dataset:
+        """Posterior standard deviations of the value variables (unconstrained space)."""
+        return self._to_data(self.std)
+
+    def sample(self, draws=500, *, random_seed=None, return_inferencedata=True, **kwargs):
+        """Draw from the approximation; see :meth:`pymc.variational.opvi.Approximation.sample`."""
+        out = super().sample(draws, random_seed=random_seed, return_inferencedata=return_inferencedata, **kwargs)
+        if return_inferencedata and self.point_estimates:
+            try:
+                out["posterior"].attrs["point_estimates"] = list(self.point_estimates)
+            except Exception:  # pragma: no cover - depends on the ArviZ container
+                pass
+        return out

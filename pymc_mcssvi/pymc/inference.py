@@ -1,0 +1,400 @@
+"""PyMC ``Inference`` classes: ``MCSSVI``, ``HMCSSVI`` and ``SDSVI``.
+
+They are thin adapters: recognize the model, build the structured bound and
+the step kernel, compile one PyTensor function per iteration, and run it with
+PyMC's progress bar, callbacks and stopping conventions.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import pymc as pm
+from pymc.initial_point import make_initial_point_fn
+from pymc.progress_bar import CustomProgress, default_progress_theme
+from pymc.pytensorf import compile as pm_compile
+from pymc.pytensorf import resolve_backend_compile_kwargs
+from pymc.variational.inference import Inference
+from rich.console import Console
+from rich.progress import Progress, TextColumn
+
+from pymc_mcssvi.algorithms.hmcssvi import HMCSSVIStep
+from pymc_mcssvi.algorithms.kernel import HyperSpec, StepKernel
+from pymc_mcssvi.algorithms.mcssvi import MCSSVIStep
+from pymc_mcssvi.algorithms.optimizers import make_optimizer
+from pymc_mcssvi.algorithms.schedules import make_schedule
+from pymc_mcssvi.algorithms.sdsvi import SDSVIStep
+from pymc_mcssvi.bounds.structured import StructuredBound
+from pymc_mcssvi.estimators.general import flat_indices
+from pymc_mcssvi.exceptions import DivergenceError
+from pymc_mcssvi.pymc.approximation import PointGroup, StructuredApproximation, StructuredGaussianGroup
+from pymc_mcssvi.recognize.model import recognize
+
+__all__ = ["HMCSSVI", "MCSSVI", "SDSVI", "StructuredVI"]
+
+logger = logging.getLogger("pymc_mcssvi")
+
+#: Consecutive rejected steps after which the fit is declared divergent.
+MAX_REJECTIONS = 40
+
+
+class StructuredVI(Inference):
+    """Base class of the structured natural-gradient VI methods.
+
+    Parameters
+    ----------
+    model : pm.Model, optional
+    random_seed : int, optional
+        Seeds minibatch draws and Monte Carlo estimators; the same seed gives
+        bit-identical results.
+    start : dict, optional
+        Starting values (constrained space, by variable name).
+    start_sigma : float, default 1.0
+        Initial standard deviation of q for every Gaussian global.
+    cov : {"auto", "full", "block", "diag"} or dict, optional
+        Covariance structure of q per Gaussian global.
+    hyper : {"point"}
+        Treatment of hyperparameters (free variables without a Gaussian prior).
+    schedule : {"auto", "adaptive", "inverse", "power", "constant"} or float
+        Step-size schedule; ``"auto"`` is ``"adaptive"`` for full-batch fits and
+        ``"power"`` for minibatch fits. See :mod:`pymc_mcssvi.algorithms.schedules`.
+    rho0, tau, kappa : float
+        Schedule parameters.
+    mean_optimizer, factor_optimizer, hyper_optimizer : str, tuple or Optimizer
+        First-order rules (``"adagrad"``, ``"adam"``, ``"sgd"`` or ``(name, lr)``).
+    estimator : {"quadrature", "mc"}
+        One-dimensional expectations in predictor space.
+    n_points : int
+        Gauss-Hermite nodes (or MC draws) per predictor entry.
+    n_draws : int
+        Draws of the Monte Carlo + autodiff estimator for non-affine terms.
+    fixed_draws : bool, optional
+        Reuse those draws every iteration (default: for full-batch fits).
+    """
+
+    algorithm_cls = MCSSVIStep
+    default_mean_optimizer = None
+    default_factor_optimizer = None
+
+    def __init__(
+        self,
+        model=None,
+        *,
+        random_seed=None,
+        start=None,
+        start_sigma=1.0,
+        cov=None,
+        hyper="point",
+        schedule="auto",
+        rho0=None,
+        tau=1.0,
+        kappa=0.7,
+        mean_optimizer=None,
+        factor_optimizer=None,
+        hyper_optimizer=("adam", 0.05),
+        estimator="quadrature",
+        n_points=12,
+        n_draws=64,
+        fixed_draws=None,
+    ):
+        self.model = pm.modelcontext(model)
+        self.random_seed = random_seed
+        if hyper not in ("point",):
+            raise ValueError(f"hyper must be 'point', got {hyper!r}")
+        t0 = time.perf_counter()
+        self.tlm = recognize(self.model, cov=cov)
+        self.recognition_time = time.perf_counter() - t0
+        minibatch = self.tlm.minibatch
+        sched_kw = {"tau": tau, "kappa": kappa}
+        if rho0 is not None:
+            sched_kw["rho0"] = rho0
+        self.schedule = make_schedule(schedule, minibatch=minibatch, **sched_kw)
+        if fixed_draws is None:
+            fixed_draws = not minibatch
+        self.algorithm = self._make_algorithm(mean_optimizer, factor_optimizer)
+        seed = 0 if random_seed is None else int(np.random.SeedSequence(random_seed).generate_state(1)[0])
+        self.bound = StructuredBound(
+            self.tlm,
+            parameterization=self.algorithm.parameterization,
+            estimator=estimator,
+            n_points=n_points,
+            n_draws=n_draws,
+            fixed_draws=fixed_draws,
+            seed=seed,
+        )
+        deterministic = (estimator == "quadrature") and (fixed_draws or not self.tlm.general_terms)
+        monotone = self.schedule.monotone and deterministic and not minibatch
+        means, factors, hyper_spec = self._initial_state(start, start_sigma, make_optimizer(hyper_optimizer, 0.05))
+        self.kernel = StepKernel(self.bound, self.algorithm, self.schedule, means, factors, hyper_spec, monotone)
+        self._approx = self._make_approximation()
+        self.hist = np.asarray(())
+        self.state = None
+        self._step_fns = {}
+        self._rejections = 0
+
+    # ------------------------------------------------------------------ set-up
+    def _make_algorithm(self, mean_optimizer, factor_optimizer):
+        mo = make_optimizer(mean_optimizer or self.default_mean_optimizer, 1.0) if (
+            mean_optimizer or self.default_mean_optimizer
+        ) else None
+        fo = make_optimizer(factor_optimizer or self.default_factor_optimizer, 1.0) if (
+            factor_optimizer or self.default_factor_optimizer
+        ) else None
+        return self.algorithm_cls(mean_optimizer=mo, factor_optimizer=fo)
+
+    def _initial_state(self, start, start_sigma, hyper_optimizer):
+        ipfn = make_initial_point_fn(model=self.model, overrides=start, jitter_rvs={}, return_transformed=True)
+        point = ipfn(0)
+        tlm = self.tlm
+        offsets, dim, maps = flat_indices(tlm)
+        flat = np.concatenate([np.asarray(point[g.value.name], dtype="float64").reshape(-1) for g in tlm.gaussians])
+        sigma = float(start_sigma)
+        if not np.isfinite(sigma) or sigma <= 0:
+            raise ValueError(f"start_sigma must be a positive number, got {start_sigma!r}")
+        means, factors = [], []
+        for seg, idx in zip(tlm.segments, maps, strict=True):
+            means.append(flat[idx])
+            eye = np.broadcast_to(np.eye(seg.k), (seg.rows, seg.k, seg.k)).copy()
+            if self.algorithm.parameterization == "precision":
+                factors.append(eye / sigma)
+            else:
+                factors.append(eye * sigma)
+        self._flat_maps = maps
+        hyper = None
+        if tlm.hypers:
+            init = np.concatenate([np.asarray(point[h.value.name], dtype="float64").reshape(-1) for h in tlm.hypers])
+            hyper = HyperSpec([h.value for h in tlm.hypers], [h.shape for h in tlm.hypers], init, hyper_optimizer)
+        return means, factors, hyper
+
+    def _make_approximation(self):
+        tlm = self.tlm
+        k = self.kernel
+        groups = [
+            StructuredGaussianGroup(
+                [g.rv for g in tlm.gaussians],
+                model=self.model,
+                segments=tlm.segments,
+                flat_maps=self._flat_maps,
+                parameterization=self.algorithm.parameterization,
+                means=k.base_mean,
+                factors=k.base_factor,
+            )
+        ]
+        if tlm.hypers:
+            groups.append(PointGroup([h.rv for h in tlm.hypers], model=self.model, point=k.base_h))
+        approx = StructuredApproximation(groups, model=self.model)
+        approx.point_estimates = [h.name for h in tlm.hypers]
+        return approx
+
+    @property
+    def approx(self):
+        return self._approx
+
+    def _step_function(self, backend=None, compile_kwargs=None):
+        key = (backend, repr(sorted((compile_kwargs or {}).items())))
+        if key not in self._step_fns:
+            outputs, updates = self.kernel.build()
+            ck = resolve_backend_compile_kwargs(backend, compile_kwargs)
+            with self.model:
+                fn = pm_compile([], outputs, updates=updates, random_seed=self.random_seed, **ck)
+            self._step_fns[key] = fn
+        return self._step_fns[key]
+
+    # --------------------------------------------------------------------- fit
+    def fit(
+        self,
+        n=None,
+        score=None,
+        callbacks=None,
+        progressbar=True,
+        progressbar_theme=default_progress_theme,
+        *,
+        tol=None,
+        max_iter=10_000,
+        backend=None,
+        include_transformed=False,
+        compile_kwargs=None,
+        **kwargs,
+    ):
+        """Run the algorithm.
+
+        Parameters
+        ----------
+        n : int, optional
+            Number of iterations. ``None`` runs until the bound has converged
+            (see ``tol``), at most ``max_iter`` iterations.
+        callbacks : list of callable, optional
+            Called as ``callback(approx, losses, i)`` after each iteration, as in
+            PyMC; raising ``StopIteration`` ends the fit.
+        progressbar : bool
+        tol : float, optional
+            Relative change of the bound that counts as converged (default
+            ``1e-8`` for full-batch fits, ``1e-3`` between windowed averages for
+            minibatch fits).
+        max_iter : int
+            Cap on the number of iterations when ``n`` is None.
+        backend : {"numba", "c", "jax"}, optional
+            PyTensor backend of the compiled step.
+
+        Returns
+        -------
+        StructuredApproximation
+        """
+        if kwargs:
+            unknown = ", ".join(sorted(kwargs))
+            raise TypeError(f"{type(self).__name__}.fit() got unexpected arguments: {unknown}")
+        if n is not None:
+            if not isinstance(n, int | np.integer) or n <= 0:
+                raise ValueError(f"n must be a positive integer (number of iterations), got {n!r}")
+        if max_iter <= 0:
+            raise ValueError(f"max_iter must be positive, got {max_iter!r}")
+        callbacks = list(callbacks or [])
+        step = self._step_function(backend, compile_kwargs)
+        total = int(n) if n is not None else int(max_iter)
+        auto_stop = n is None
+        if tol is None:
+            tol = 1e-3 if self.tlm.minibatch else 1e-8
+        scores = np.full(total, np.nan)
+        accepts: list[bool] = []
+        i = 0
+        converged = False
+        start_iter = len(self.hist)
+        with CustomProgress(
+            *Progress.get_default_columns(),
+            TextColumn("{task.fields[loss]}"),
+            console=Console(theme=progressbar_theme),
+            disable=not progressbar,
+        ) as progress:
+            task = progress.add_task("Fitting", total=total, loss="")
+            try:
+                for i in range(total):
+                    base, cand, accepted, rho = step()
+                    scores[i] = -float(base)
+                    accepts.append(bool(accepted))
+                    self._track_rejections(bool(accepted), float(cand), start_iter + i)
+                    progress.update(task, advance=1)
+                    if i % 5 == 0 or i == total - 1:
+                        progress.update(task, loss=f"-ELBO = {scores[i]:,.6g}  rho = {float(rho):.3g}")
+                    for cb in callbacks:
+                        cb(self.approx, scores[: i + 1], start_iter + i + 1)
+                    if auto_stop and self._converged(scores[: i + 1], accepts, tol):
+                        converged = True
+                        i += 1
+                        break
+                else:
+                    i = total
+            except StopIteration as e:
+                logger.info(str(e))
+                i += 1
+            except KeyboardInterrupt:
+                pass
+        scores = scores[:i]
+        self.hist = np.concatenate([self.hist, scores])
+        self.approx.hist = self.hist
+        self.approx.n_iter = len(self.hist)
+        self.approx.converged = converged if auto_stop else None
+        for group in self.approx.groups:
+            group.include_transformed = include_transformed
+        if auto_stop:
+            msg = "converged" if converged else "stopped at max_iter without converging"
+            logger.info(f"{type(self).__name__}: {msg} after {i} iterations, -ELBO = {scores[-1]:,.6g}")
+        self.state = i
+        return self.approx
+
+    def refine(self, n, progressbar=True, progressbar_theme=default_progress_theme):
+        """Continue a fit for ``n`` more iterations."""
+        return self.fit(n, progressbar=progressbar, progressbar_theme=progressbar_theme)
+
+    def _track_rejections(self, accepted, cand_bound, iteration):
+        self._rejections = 0 if accepted else self._rejections + 1
+        if self._rejections >= MAX_REJECTIONS:
+            self.kernel.reset_candidate()
+            self._rejections = 0
+            base = float(self.kernel.base_bound.get_value())
+            if not np.isfinite(base):
+                raise DivergenceError(
+                    "The ELBO is not finite at the starting point (value "
+                    f"{cand_bound}). Check the observed data against the likelihood's support, "
+                    "and the `start` values; a smaller `start_sigma` can help.",
+                    approx=self.approx,
+                    iteration=iteration,
+                )
+            raise DivergenceError(
+                f"The fit diverged at iteration {iteration}: {MAX_REJECTIONS} consecutive steps gave a "
+                f"non-finite or lower ELBO (last candidate: {cand_bound}). The approximation keeps the "
+                f"last good state (ELBO {base:,.6g}); it is available as `error.approx`. Try a smaller "
+                "`rho0`, or `schedule='power'`.",
+                approx=self.approx,
+                iteration=iteration,
+            )
+
+    def _converged(self, scores, accepts, tol) -> bool:
+        """Default stopping rule.
+
+        Full batch: the last three steps were accepted and together improved the
+        bound by at most ``tol`` (relative). Minibatch: the averages of the last
+        two windows of 50 iterations differ by at most ``tol`` (relative).
+        """
+        if self.tlm.minibatch:
+            w = 50
+            if len(scores) < 2 * w:
+                return False
+            a, b = np.mean(scores[-w:]), np.mean(scores[-2 * w : -w])
+            return abs(a - b) <= tol * abs(b)
+        k = 3
+        if len(scores) <= k or not all(accepts[-k:]):
+            return False
+        return (scores[-k - 1] - scores[-1]) <= tol * abs(scores[-1])
+
+
+class MCSSVI(StructuredVI):
+    """Monte Carlo structured SVI with natural-gradient steps for mean and precision.
+
+    Paper eq. generalSVIupdate: ``theta <- (1 - rho) theta + rho (theta_p + G)``.
+
+    Examples
+    --------
+    >>> import numpy as np, pymc as pm, pymc_mcssvi
+    >>> X = np.random.default_rng(0).normal(size=(200, 2))
+    >>> y = (X @ [1.0, -1.0] + np.random.default_rng(1).normal(size=200) > 0).astype(int)
+    >>> with pm.Model():
+    ...     w = pm.Normal("w", 0, 1, shape=2)
+    ...     _ = pm.Bernoulli("y", logit_p=X @ w, observed=y)
+    ...     approx = pymc_mcssvi.MCSSVI().fit(progressbar=False)
+    >>> approx.converged
+    True
+    """
+
+    algorithm_cls = MCSSVIStep
+
+
+class HMCSSVI(StructuredVI):
+    """Hybrid MC-SSVI: natural-gradient step for the precision, Adam/Adagrad for the mean.
+
+    The paper's recommended algorithm.
+
+    Examples
+    --------
+    >>> import numpy as np, pymc as pm, pymc_mcssvi
+    >>> X = np.random.default_rng(0).normal(size=(200, 2))
+    >>> y = np.random.default_rng(1).poisson(np.exp(X @ [0.5, -0.3]))
+    >>> with pm.Model():
+    ...     w = pm.Normal("w", 0, 1, shape=2)
+    ...     _ = pm.Poisson("y", mu=pm.math.exp(X @ w), observed=y)
+    ...     approx = pm.fit(method="hmcssvi", progressbar=False)
+    >>> approx.sample(100).posterior["w"].shape
+    (1, 100, 2)
+    """
+
+    algorithm_cls = HMCSSVIStep
+    default_mean_optimizer = None
+
+
+class SDSVI(StructuredVI):
+    """Structured DSVI: standard gradients on the mean and the Cholesky factor (baseline)."""
+
+    algorithm_cls = SDSVIStep
+    default_mean_optimizer = ("adam", 0.1)
+    default_factor_optimizer = ("adam", 0.1)

@@ -1,0 +1,78 @@
+"""Make ``pm.fit(method="mcssvi" | "hmcssvi" | "sdsvi")`` work.
+
+PyMC's :func:`pymc.fit` looks methods up in a table local to the function, so
+the least invasive extension is a thin wrapper installed in its place: it
+handles the three names (and instances of our classes, so that ``n`` may be
+left out to stop at convergence) and hands every other call to PyMC unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pymc as pm
+import pymc.variational as pmv
+import pymc.variational.inference as pmvi
+
+__all__ = ["METHODS", "fit", "register"]
+
+METHODS: dict[str, type] = {}
+
+_original_fit = pmvi.fit
+
+
+@functools.wraps(_original_fit)
+def fit(
+    n=None,
+    method="advi",
+    model=None,
+    random_seed=None,
+    start=None,
+    start_sigma=None,
+    inf_kwargs=None,
+    **kwargs,
+):
+    """``pm.fit`` with ``"mcssvi"``, ``"hmcssvi"`` and ``"sdsvi"`` added.
+
+    For these methods ``n=None`` (the default here) runs until the bound has
+    converged instead of PyMC's fixed 10,000 iterations. Other methods behave
+    exactly as in PyMC.
+    """
+    from pymc_mcssvi.pymc.inference import StructuredVI
+
+    name = method.lower() if isinstance(method, str) else None
+    if name in METHODS or isinstance(method, StructuredVI):
+        if isinstance(method, StructuredVI):
+            inference = method
+        else:
+            inf_kwargs = dict(inf_kwargs or {})
+            if random_seed is not None:
+                inf_kwargs["random_seed"] = random_seed
+            if start is not None:
+                inf_kwargs["start"] = start
+            if start_sigma is not None:
+                inf_kwargs["start_sigma"] = start_sigma
+            model = pm.modelcontext(model)
+            inference = METHODS[name](model=model, **inf_kwargs)
+        return inference.fit(n, **kwargs)
+    if n is None:
+        n = 10_000
+    return _original_fit(
+        n=n,
+        method=method,
+        model=model,
+        random_seed=random_seed,
+        start=start,
+        start_sigma=start_sigma,
+        inf_kwargs=inf_kwargs,
+        **kwargs,
+    )
+
+
+def register():
+    """Install :func:`fit` as ``pm.fit`` (idempotent)."""
+    from pymc_mcssvi.pymc.inference import HMCSSVI, MCSSVI, SDSVI
+
+    METHODS.update({"mcssvi": MCSSVI, "hmcssvi": HMCSSVI, "sdsvi": SDSVI})
+    for mod in (pm, pmv, pmvi):
+        mod.fit = fit

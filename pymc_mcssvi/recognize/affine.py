@@ -1,0 +1,533 @@
+"""Symbolic analysis of predictors that are affine in the Gaussian globals.
+
+A likelihood term depends on the Gaussian globals ``w`` through a predictor
+``eta`` (``X @ w``, ``a[group] * x + b``, ...). When ``eta`` is affine in ``w``,
+
+.. math::
+
+    \\eta_{[i]} = o_{[i]} + \\sum_t \\sum_{j < k_t} v^{(t)}_{[i], j}\\, w^{(t)}[c^{(t)}_{[i], j}]
+
+where each *term* ``t`` reads one Gaussian global ``w^{(t)}`` (flattened) at the
+integer columns ``c`` with coefficients ``v``. The arrays ``c`` and ``v`` carry one
+trailing *contraction* axis of length ``k_t``; all leading axes broadcast against
+the shape of ``eta``. A dense design ``X @ w`` is the term with
+``c = arange(D)[None, :]`` (broadcast over rows) and ``v = X``; a gather
+``a[group]`` is the term with ``c = group[:, None]`` and ``v = 1``. This one
+representation lets the estimators form ``g`` and ``H`` with a BLAS product for
+dense terms and with segment sums for gathers, never with an N x D Jacobian.
+
+:func:`linearize` walks a PyTensor graph and returns an :class:`AffineForm`, or
+``None`` when the expression is not affine in the given variables.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytensor.tensor as pt
+from pytensor.compile.builders import OpFromGraph
+from pytensor.graph.basic import Variable
+from pytensor.compile.rewriting import inline_ofg_node
+from pytensor.graph.replace import graph_replace
+from pytensor.graph.traversal import ancestors
+from pytensor.scalar import basic as ps
+from pytensor.tensor.basic import Alloc, Join, MakeVector
+from pytensor.tensor.blockwise import Blockwise
+from pytensor.tensor.elemwise import DimShuffle, Elemwise
+from pytensor.tensor.math import Dot, Sum
+from pytensor.tensor.shape import Reshape, SpecifyShape
+from pytensor.tensor.subtensor import (
+    AdvancedSubtensor,
+    Subtensor,
+    indices_from_subtensor,
+)
+
+__all__ = ["AffineForm", "LinearTerm", "linearize", "depends_on"]
+
+
+@dataclass(frozen=True)
+class LinearTerm:
+    """One term ``sum_j vals[..., j] * w_source.ravel()[cols[..., j]]``.
+
+    Attributes
+    ----------
+    source : int
+        Index of the Gaussian global this term reads.
+    cols : TensorVariable
+        Integer array, shape ``expr_shape + (k,)`` up to broadcasting.
+    vals : TensorVariable or None
+        Coefficients with the same (broadcast) shape; ``None`` means all ones.
+    """
+
+    source: int
+    cols: Variable
+    vals: Variable | None
+
+    @property
+    def ndim(self) -> int:
+        """Number of leading (non-contraction) axes."""
+        return self.cols.ndim - 1
+
+    def map(self, fn) -> LinearTerm:
+        """Apply the same leading-axis transformation to ``cols`` and ``vals``."""
+        return LinearTerm(self.source, fn(self.cols), None if self.vals is None else fn(self.vals))
+
+    def scaled(self, factor) -> LinearTerm:
+        """Multiply the coefficients by ``factor`` (broadcast over leading axes)."""
+        factor = pt.as_tensor(factor)
+        factor = pt.shape_padright(factor, 1)
+        vals = factor if self.vals is None else self.vals * factor
+        return LinearTerm(self.source, self.cols, vals)
+
+    @property
+    def is_dense(self) -> bool:
+        """True when the columns are the same for every leading index (``X @ w``)."""
+        return all(self.cols.type.broadcastable[:-1])
+
+
+@dataclass
+class AffineForm:
+    """``offset + sum(terms)`` with the shape of the analysed expression."""
+
+    ndim: int
+    offset: Variable | None = None
+    terms: list[LinearTerm] = field(default_factory=list)
+
+    @property
+    def sources(self) -> set[int]:
+        return {t.source for t in self.terms}
+
+
+def depends_on(var: Variable, targets) -> bool:
+    """Whether ``var`` has any of ``targets`` among its ancestors."""
+    targets = set(targets)
+    return any(a in targets for a in ancestors([var]))
+
+
+def _as_tensor_or_none(x):
+    return None if x is None else pt.as_tensor(x)
+
+
+def _add_offsets(a, b):
+    if a is None:
+        return b
+    if b is None:
+        return a
+    return a + b
+
+
+def _pad_left(term: LinearTerm, ndim: int) -> LinearTerm:
+    """Give a term ``ndim`` leading axes by prepending broadcastable ones."""
+    missing = ndim - term.ndim
+    if missing <= 0:
+        return term
+    return term.map(lambda x: pt.shape_padleft(x, missing))
+
+
+def _full_leading(term: LinearTerm, shape) -> LinearTerm:
+    """Broadcast ``cols`` and ``vals`` to the full leading ``shape`` (materializing)."""
+    k = term.cols.shape[-1]
+    target = (*shape, k)
+    cols = pt.broadcast_to(term.cols, target)
+    vals = None if term.vals is None else pt.broadcast_to(term.vals, target)
+    return LinearTerm(term.source, cols, vals)
+
+
+def _dim(x, i):
+    """Length of axis ``i``: a Python 1 when statically known, else symbolic."""
+    return 1 if x.type.shape[i] == 1 else x.shape[i]
+
+
+def _merge_into_contraction(term: LinearTerm, axes: list[int], shape) -> LinearTerm:
+    """Move leading ``axes`` into the trailing contraction axis (a sum over them).
+
+    ``shape`` gives the true length of (at least) the summed axes, used to
+    broadcast them before they are flattened; it must not depend on ``w``.
+    """
+    nd = term.ndim
+    keep = [a for a in range(nd) if a not in axes]
+    order = keep + sorted(axes) + [nd]
+    k = term.cols.shape[-1]
+    if term.vals is not None and term.vals.type.shape[-1] != 1:
+        k = term.vals.shape[-1]
+
+    def move(x):
+        # Broadcast the summed axes and the contraction axis to their true length.
+        tgt = [_dim(x, i) if i not in axes else shape[i] for i in range(nd)] + [k]
+        x = pt.broadcast_to(x, tuple(tgt))
+        x = x.transpose(order)
+        new_shape = [_dim(x, i) for i in range(len(keep))] + [-1]
+        return x.reshape(new_shape, ndim=len(keep) + 1)
+
+    return term.map(move)
+
+
+class _Linearizer:
+    """Memoized walk of a graph that builds :class:`AffineForm` objects."""
+
+    def __init__(self, wrt: dict[Variable, int], shapes: dict[Variable, tuple] | None = None):
+        self.wrt = wrt
+        self.shapes = shapes or {}
+        self.memo: dict[Variable, AffineForm | None] = {}
+        self._dep: dict[Variable, bool] = {}
+
+    def shape_of(self, var: Variable) -> tuple:
+        """Shape of ``var`` as Python ints or graphs that do not involve ``wrt``."""
+        zeros = {v: pt.zeros(self.shapes.get(v, v.type.shape), dtype=v.dtype) for v in self.wrt}
+        out = []
+        for i, s in enumerate(var.type.shape):
+            if s is not None:
+                out.append(int(s))
+            elif not self.depends(var):
+                out.append(var.shape[i])
+            else:
+                out.append(graph_replace(var.shape[i], zeros, strict=False))
+        return tuple(out)
+
+    def depends(self, var: Variable) -> bool:
+        if var in self._dep:
+            return self._dep[var]
+        if var in self.wrt:
+            out = True
+        elif var.owner is None:
+            out = False
+        else:
+            out = any(self.depends(i) for i in var.owner.inputs)
+        self._dep[var] = out
+        return out
+
+    def __call__(self, var: Variable) -> AffineForm | None:
+        if var in self.memo:
+            return self.memo[var]
+        out = self._linearize(var)
+        self.memo[var] = out
+        return out
+
+    # ------------------------------------------------------------------ rules
+    def _linearize(self, var: Variable) -> AffineForm | None:
+        if var in self.wrt:
+            shape = self.shapes.get(var, var.type.shape)
+            if None in shape:
+                raise ValueError(f"static shape of {var} is unknown; pass it in `shapes`")
+            size = int(np.prod(shape, dtype=int))
+            cols = pt.constant(np.arange(size, dtype="int64").reshape((*shape, 1)))
+            return AffineForm(var.ndim, None, [LinearTerm(self.wrt[var], cols, None)])
+        if not self.depends(var):
+            return AffineForm(var.ndim, var, [])
+        node = var.owner
+        op = node.op
+        if isinstance(op, Elemwise):
+            return self._elemwise(var, node)
+        if isinstance(op, DimShuffle):
+            return self._dimshuffle(var, node)
+        if isinstance(op, Dot) or (isinstance(op, Blockwise) and isinstance(op.core_op, Dot)):
+            return self._dot(var, node)
+        if isinstance(op, Sum):
+            return self._sum(var, node)
+        if isinstance(op, Subtensor | AdvancedSubtensor):
+            return self._subtensor(var, node)
+        if isinstance(op, SpecifyShape):
+            inner = self(node.inputs[0])
+            return None if inner is None else AffineForm(var.ndim, inner.offset, inner.terms)
+        if isinstance(op, Reshape):
+            return self._reshape(var, node)
+        if isinstance(op, Alloc):
+            return self._alloc(var, node)
+        if isinstance(op, Join):
+            return self._join(var, node)
+        if isinstance(op, MakeVector):
+            return self._make_vector(var, node)
+        if isinstance(op, OpFromGraph):
+            return self._inline(var, node)
+        return None
+
+    def _elemwise(self, var, node):
+        sop = node.op.scalar_op
+        ins = node.inputs
+        dep = [self.depends(i) for i in ins]
+        if isinstance(sop, ps.Add):
+            forms = [self(i) for i in ins]
+            if any(f is None for f in forms):
+                return None
+            offset = None
+            terms = []
+            for f in forms:
+                offset = _add_offsets(offset, f.offset)
+                terms.extend(_pad_left(t, var.ndim) for t in f.terms)
+            return AffineForm(var.ndim, offset, terms)
+        if isinstance(sop, ps.Sub):
+            a, b = (self(i) for i in ins)
+            if a is None or b is None:
+                return None
+            offset = a.offset
+            if b.offset is not None:
+                offset = -b.offset if offset is None else offset - b.offset
+            terms = [_pad_left(t, var.ndim) for t in a.terms]
+            terms += [_pad_left(t.scaled(-1.0), var.ndim) for t in b.terms]
+            return AffineForm(var.ndim, offset, terms)
+        if isinstance(sop, ps.Neg):
+            a = self(ins[0])
+            if a is None:
+                return None
+            off = None if a.offset is None else -a.offset
+            return AffineForm(var.ndim, off, [t.scaled(-1.0) for t in a.terms])
+        if isinstance(sop, ps.Mul):
+            if sum(dep) != 1:
+                return None
+            j = dep.index(True)
+            a = self(ins[j])
+            if a is None:
+                return None
+            factor = None
+            for i, x in enumerate(ins):
+                if i != j:
+                    factor = x if factor is None else factor * x
+            off = None if a.offset is None else a.offset * factor
+            return AffineForm(var.ndim, off, [_pad_left(t, var.ndim).scaled(factor) for t in a.terms])
+        if isinstance(sop, ps.TrueDiv):
+            if dep[1] or not dep[0]:
+                return None
+            a = self(ins[0])
+            if a is None:
+                return None
+            factor = 1.0 / ins[1]
+            off = None if a.offset is None else a.offset * factor
+            return AffineForm(var.ndim, off, [_pad_left(t, var.ndim).scaled(factor) for t in a.terms])
+        if isinstance(sop, ps.Identity | ps.Cast):
+            if not var.dtype.startswith("float"):
+                return None
+            a = self(ins[0])
+            if a is None:
+                return None
+            return AffineForm(var.ndim, a.offset, a.terms)
+        return None
+
+    def _dimshuffle(self, var, node):
+        a = self(node.inputs[0])
+        if a is None:
+            return None
+        order = list(node.op.new_order)
+        nd_in = node.op.input_ndim
+        dropped = [i for i in range(nd_in) if i not in order]
+        kept = [i for i in range(nd_in) if i not in dropped]
+        remap = {old: new for new, old in enumerate(kept)}
+        order2 = [remap[o] if o != "x" else "x" for o in order] + [len(kept)]
+
+        def shuffle(x):
+            if dropped:
+                # Dropped axes have length one; index them away in cols/vals too.
+                x = x[tuple(0 if d in dropped else slice(None) for d in range(nd_in))]
+            return x.dimshuffle(order2)
+
+        off = None if a.offset is None else node.op(a.offset)
+        return AffineForm(var.ndim, off, [_pad_left(t, nd_in).map(shuffle) for t in a.terms])
+
+    def _dot(self, var, node):
+        x, y = node.inputs
+        dx, dy = self.depends(x), self.depends(y)
+        if dx and dy:
+            return None
+        batched = isinstance(node.op, Blockwise)
+        if not batched and (x.ndim > 2 or y.ndim > 2):
+            return None
+        # Work with out2[..., n, m] = sum_j x2[..., n, j] * y2[..., j, m]; squeeze at the end.
+        x2 = x if (batched or x.ndim == 2) else x[None, :]
+        y2 = y if (batched or y.ndim == 2) else y[:, None]
+        nd = max(x2.ndim, y2.ndim)
+        x2 = pt.shape_padleft(x2, nd - x2.ndim)
+        y2 = pt.shape_padleft(y2, nd - y2.ndim)
+        nb = nd - 2
+        # Only the contracted length is needed, taken from the operand without w.
+        d = self.shape_of(x)[-1]
+        shape = (*([1] * nb), 1, d, 1)
+        if dy:
+            form = self(y)
+            if form is None:
+                return None
+            src = y
+        else:
+            form = self(x)
+            if form is None:
+                return None
+            src = x
+        lift_nd = src.ndim if batched else (2 if src.ndim == 2 else 1)
+        terms = []
+        for t in form.terms:
+            t = _pad_left(t, lift_nd)
+            if not batched and src.ndim == 1:
+                t = t.map((lambda c: c[:, None, :]) if dy else (lambda c: c[None]))
+            t = _pad_left(t, nd)
+            if dy:  # (..., d, m, k) -> (..., 1, d, m, k), coefficient x[..., n, d]
+                t = t.map(lambda c: pt.expand_dims(c, nb)).scaled(x2[..., None])
+            else:  # (..., n, d, k) -> (..., n, d, 1, k), coefficient y[..., d, m]
+                t = t.map(lambda c: pt.expand_dims(c, nb + 2)).scaled(pt.expand_dims(y2, nb))
+            terms.append(_merge_into_contraction(t, [nb + 1], shape))
+        if form.offset is None:
+            off = None
+        else:
+            off = node.op(x, form.offset) if dy else node.op(form.offset, y)
+        if not batched:
+            if x.ndim == 1:
+                terms = [t.map(lambda c: c[0]) for t in terms]
+            if y.ndim == 1:
+                terms = [t.map(lambda c: c[..., 0, :]) for t in terms]
+        return AffineForm(var.ndim, off, terms)
+
+    def _sum(self, var, node):
+        a = self(node.inputs[0])
+        if a is None:
+            return None
+        inp = node.inputs[0]
+        axes = node.op.axis
+        axes = list(range(inp.ndim)) if axes is None else [ax % inp.ndim for ax in axes]
+        shape = self.shape_of(inp)
+        terms = [_merge_into_contraction(_pad_left(t, inp.ndim), axes, shape) for t in a.terms]
+        off = None if a.offset is None else node.op(a.offset)
+        if a.offset is not None and a.offset.ndim < inp.ndim:
+            off = pt.sum(pt.broadcast_to(a.offset, shape), axis=axes)
+        return AffineForm(var.ndim, off, terms)
+
+    def _subtensor(self, var, node):
+        x, *idx_in = node.inputs
+        if any(self.depends(i) for i in idx_in):
+            return None
+        a = self(x)
+        if a is None:
+            return None
+        indices = tuple(indices_from_subtensor(idx_in, node.op.idx_list))
+        shape = self.shape_of(x)
+        terms = []
+        for t in a.terms:
+            t = _pad_left(t, x.ndim)
+            if t.is_dense and (t.vals is not None):
+                # Same columns everywhere: index the coefficients only.
+                k = t.cols.shape[-1]
+                vals = pt.broadcast_to(t.vals, (*shape, pt.maximum(k, t.vals.shape[-1])))[indices]
+                cols = t.cols.reshape((*([1] * var.ndim), k), ndim=var.ndim + 1)
+                terms.append(LinearTerm(t.source, cols, vals))
+                continue
+            t = _full_leading(t, shape)
+            terms.append(t.map(lambda c: c[indices]))
+        off = None
+        if a.offset is not None:
+            off = pt.broadcast_to(a.offset, shape)[indices]
+        return AffineForm(var.ndim, off, terms)
+
+    def _reshape(self, var, node):
+        x, shp = node.inputs
+        a = self(x)
+        if a is None:
+            return None
+        shape = self.shape_of(x)
+        new = self.shape_of(var)
+        terms = []
+        for t in a.terms:
+            t = _full_leading(_pad_left(t, x.ndim), shape)
+            terms.append(t.map(lambda c: c.reshape((*new, c.shape[-1]), ndim=var.ndim + 1)))
+        off = None if a.offset is None else pt.broadcast_to(a.offset, shape).reshape(new, ndim=var.ndim)
+        return AffineForm(var.ndim, off, terms)
+
+    def _alloc(self, var, node):
+        x, *shape = node.inputs
+        a = self(x)
+        if a is None:
+            return None
+        terms = []
+        for t in a.terms:
+            t = _pad_left(t, var.ndim)
+            k = t.cols.shape[-1]
+            terms.append(LinearTerm(t.source, t.cols, pt.broadcast_to(
+                pt.ones((), dtype=var.dtype) if t.vals is None else t.vals, (*shape, k))))
+        off = None if a.offset is None else pt.alloc(a.offset, *shape)
+        return AffineForm(var.ndim, off, terms)
+
+    def _join(self, var, node):
+        if hasattr(node.op, "axis"):
+            axis, parts = node.op.axis, node.inputs
+        else:  # older PyTensor: the axis is the first input
+            axis, *parts = node.inputs
+            try:
+                axis = int(pt.get_underlying_scalar_constant_value(axis))
+            except Exception:
+                return None
+        axis = axis % var.ndim
+        forms = [self(p) for p in parts]
+        if any(f is None for f in forms):
+            return None
+        return self._stack_forms(var, parts, forms, axis, concat=True)
+
+    def _make_vector(self, var, node):
+        parts = node.inputs
+        forms = [self(p) for p in parts]
+        if any(f is None for f in forms):
+            return None
+        return self._stack_forms(var, parts, forms, 0, concat=False)
+
+    def _stack_forms(self, var, parts, forms, axis, concat):
+        """Join of affine pieces: each term is zero-padded outside its own slab."""
+        offsets = []
+        pshapes = [self.shape_of(p) for p in parts]
+        for pshape, f in zip(pshapes, forms, strict=True):
+            offsets.append(
+                pt.zeros(pshape, dtype=var.dtype) if f.offset is None else pt.broadcast_to(f.offset, pshape).astype(var.dtype)
+            )
+        off = pt.join(axis, *offsets) if concat else pt.stack(offsets)
+        terms = []
+        for i, (p, f) in enumerate(zip(parts, forms, strict=True)):
+            for t in f.terms:
+                t = _full_leading(_pad_left(t, p.ndim), pshapes[i])
+                if not concat:
+                    t = t.map(lambda c: c[None])
+                vals = pt.ones_like(t.cols, dtype=var.dtype) if t.vals is None else t.vals
+                cols_parts, vals_parts = [], []
+                for j, q in enumerate(parts):
+                    if j == i:
+                        cols_parts.append(t.cols)
+                        vals_parts.append(vals)
+                    else:
+                        qshape = list(pshapes[j]) if concat else [1, *pshapes[j]]
+                        zshape = (*qshape, t.cols.shape[-1])
+                        cols_parts.append(pt.zeros(zshape, dtype=t.cols.dtype))
+                        vals_parts.append(pt.zeros(zshape, dtype=vals.dtype))
+                terms.append(LinearTerm(t.source, pt.join(axis, *cols_parts), pt.join(axis, *vals_parts)))
+        return AffineForm(var.ndim, off, terms)
+
+    def _inline(self, var, node):
+        expanded = inline_ofg_node(node)[node.outputs.index(var)]
+        return self(expanded)
+
+
+def linearize(
+    expr: Variable, wrt: dict[Variable, int], shapes: dict[Variable, tuple] | None = None
+) -> AffineForm | None:
+    """Express ``expr`` as an affine function of the variables in ``wrt``.
+
+    Parameters
+    ----------
+    expr : TensorVariable
+        The expression to analyse, e.g. a predictor ``X @ w + a[g]``.
+    wrt : dict
+        Maps each variable the expression may be affine in to an integer id that
+        is recorded as :attr:`LinearTerm.source`.
+    shapes : dict, optional
+        Static shapes of the ``wrt`` variables when their types do not carry them.
+
+    Returns
+    -------
+    AffineForm or None
+        ``None`` when ``expr`` is not affine in ``wrt`` (products of two
+        dependent factors, nonlinear functions, unsupported operations).
+
+    Examples
+    --------
+    >>> import numpy as np, pytensor.tensor as pt
+    >>> w = pt.vector("w", shape=(3,))
+    >>> X = np.arange(6.0).reshape(2, 3)
+    >>> form = linearize(X @ w + 1.0, {w: 0})
+    >>> [t.is_dense for t in form.terms]
+    [True]
+    >>> form.terms[0].vals.eval().tolist()
+    [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
+    """
+    return _Linearizer(wrt, shapes)(expr)

@@ -1,0 +1,112 @@
+"""Small utilities on PyMC / PyTensor graphs used by the recognizer."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytensor.tensor as pt
+from pymc.logprob.utils import CheckParameterValue
+from pytensor.graph.basic import Constant, Variable
+from pytensor.graph.replace import graph_replace
+from pytensor.graph.traversal import ancestors, graph_inputs, io_toposort
+from pytensor.tensor.basic import Alloc
+from pytensor.tensor.elemwise import DimShuffle, Elemwise
+from pytensor.tensor.math import Sum
+from pytensor.tensor.shape import SpecifyShape
+from pytensor.tensor.sharedvar import TensorSharedVariable
+
+__all__ = [
+    "depends_on_any",
+    "is_separable",
+    "observed_data",
+    "remove_checks",
+    "static_shape",
+]
+
+
+def remove_checks(var: Variable) -> Variable:
+    """Drop PyMC's ``CheckParameterValue`` assertions from a log density graph.
+
+    The engine never evaluates a log density outside the support it was built
+    for; the assertions would otherwise raise inside the compiled step.
+    """
+    checks = [
+        v for v in ancestors([var]) if v.owner is not None and isinstance(v.owner.op, CheckParameterValue)
+    ]
+    if not checks:
+        return var
+    return graph_replace(var, {v: v.owner.inputs[0] for v in checks}, strict=False)
+
+
+def depends_on_any(var: Variable, targets) -> bool:
+    targets = set(targets)
+    return bool(targets) and any(a in targets for a in ancestors([var]))
+
+
+def static_shape(var: Variable) -> tuple[int, ...]:
+    """Numeric shape of a variable in a model (static, or by evaluating its shape)."""
+    if None not in var.type.shape:
+        return tuple(int(s) for s in var.type.shape)
+    return tuple(int(s) for s in var.shape.eval())
+
+
+_SEPARABLE_OPS = (Elemwise, DimShuffle, Alloc, SpecifyShape)
+
+
+def is_separable(logp: Variable, placeholder: Variable) -> bool:
+    """Whether each entry of ``logp`` depends on the matching entry of ``placeholder`` only.
+
+    Structural check: every operation between ``placeholder`` and ``logp`` must be
+    elementwise (or a broadcast). A trailing ``Sum`` is allowed when nothing
+    nonlinear follows it (separable sums such as a whitened multivariate normal).
+    """
+    nodes = io_toposort([placeholder], [logp])
+    dep = {placeholder}
+    summed = False
+    for node in nodes:
+        if not any(i in dep for i in node.inputs):
+            continue
+        dep.update(node.outputs)
+        op = node.op
+        if isinstance(op, Sum):
+            summed = True
+            continue
+        if isinstance(op, _SEPARABLE_OPS):
+            if summed and isinstance(op, Elemwise) and not _is_linear_elemwise(node, dep):
+                return False
+            continue
+        return False
+    return True
+
+
+def _is_linear_elemwise(node, dep) -> bool:
+    from pytensor.scalar import basic as ps
+
+    sop = node.op.scalar_op
+    if isinstance(sop, ps.Add | ps.Sub | ps.Neg | ps.Identity):
+        return True
+    if isinstance(sop, ps.Mul):
+        return sum(i in dep for i in node.inputs) == 1
+    return False
+
+
+def observed_data(model, obs) -> np.ndarray | None:
+    """The numeric data of an observed variable, when it is stored in the graph."""
+    value = model.rvs_to_values.get(obs)
+    if value is None:
+        return None
+    if isinstance(value, Constant):
+        return np.asarray(value.data)
+    if isinstance(value, TensorSharedVariable):
+        return np.asarray(value.get_value(borrow=True))
+    try:
+        inputs = list(graph_inputs([value]))
+        if all(isinstance(i, Constant | TensorSharedVariable) for i in inputs):
+            return np.asarray(value.eval())
+    except Exception:
+        return None
+    return None
+
+
+def as_float(x):
+    x = pt.as_tensor(x)
+    return x if x.dtype.startswith("float") else pt.cast(x, "float64")

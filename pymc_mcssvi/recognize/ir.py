@@ -1,0 +1,188 @@
+"""The engine's intermediate representation of a two-level PyMC model.
+
+:func:`pymc_mcssvi.recognize.recognize` turns a ``pm.Model`` into a
+:class:`TwoLevelModel`. Everything downstream (estimators, bounds, algorithms,
+the PyMC adapter) reads only this representation, never the PyMC graph itself.
+
+The bound of the paper (eq. vlb / vlbi) is split into
+
+* :class:`PredictorTerm` -- a sum of elementwise log densities that depends on the
+  Gaussian globals only through an affine predictor (likelihoods of GLMs and
+  GLMMs, and the Gaussian prior of the globals written as a whitened residual);
+  its expectation, gradient ``g`` and Hessian ``H`` are formed in predictor space;
+* :class:`GeneralTerm` -- any other log density of the globals, handled by Monte
+  Carlo with automatic differentiation;
+* :class:`ConstantTerm` -- log densities that do not involve the Gaussian globals
+  (priors of hyperparameters, ``-log sigma`` normalizers).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+from pytensor.graph.basic import Variable
+
+from pymc_mcssvi.recognize.affine import LinearTerm
+
+__all__ = [
+    "ConstantTerm",
+    "GaussianGlobal",
+    "GeneralTerm",
+    "Hyperparameter",
+    "PredictorTerm",
+    "Segment",
+    "TwoLevelModel",
+]
+
+CovStructure = Literal["full", "block", "diag"]
+
+
+@dataclass
+class GaussianGlobal:
+    """A free RV with a Gaussian prior, approximated by the structured Gaussian q.
+
+    Attributes
+    ----------
+    name : str
+        Name of the PyMC random variable.
+    rv, value : TensorVariable
+        The random variable and its value variable (untransformed).
+    shape : tuple of int
+        Static shape of the variable.
+    prior : {"normal", "mvnormal"}
+        Family of the prior as written in the model.
+    """
+
+    name: str
+    rv: Variable
+    value: Variable
+    shape: tuple[int, ...]
+    prior: str
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=int))
+
+
+@dataclass
+class Hyperparameter:
+    """A free RV that is neither a Gaussian global nor a marginalized local."""
+
+    name: str
+    rv: Variable
+    value: Variable
+    shape: tuple[int, ...]
+    reason: str = ""
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=int))
+
+
+@dataclass
+class Segment:
+    """A factor of the Gaussian q: ``rows`` independent blocks of size ``k``.
+
+    ``kind="full"`` is a single block over all its members; ``"block"`` has one
+    ``k x k`` block per leading index (row) of its members; ``"diag"`` has ``k=1``.
+
+    Attributes
+    ----------
+    members : list of int
+        Ids of the :class:`GaussianGlobal` objects this segment covers.
+    row_of, col_of : dict[int, np.ndarray]
+        For each member, the block row and within-block column of every entry of
+        the member's flattened value.
+    """
+
+    kind: CovStructure
+    rows: int
+    k: int
+    members: list[int]
+    row_of: dict[int, np.ndarray] = field(default_factory=dict)
+    col_of: dict[int, np.ndarray] = field(default_factory=dict)
+
+    @property
+    def dim(self) -> int:
+        return self.rows * self.k
+
+
+@dataclass
+class PredictorTerm:
+    """``sum(l(eta))`` with ``eta`` affine in the Gaussian globals.
+
+    Attributes
+    ----------
+    name : str
+        The observed variable (or ``"prior of <global>"``) this term comes from.
+    eta_shape : tuple
+        Symbolic shape of the predictor.
+    offset : TensorVariable or None
+        Part of ``eta`` that does not depend on the globals (may depend on
+        hyperparameters).
+    terms : list of LinearTerm
+        Linear part, leading axes flattened to one (rows) axis.
+    placeholder : TensorVariable
+        Stand-in for ``eta`` inside :attr:`logp`.
+    logp : TensorVariable
+        Elementwise log density as a function of :attr:`placeholder` (and of the
+        hyperparameter value variables).
+    gaussian : bool
+        True when ``logp`` is the standard normal log density of ``eta`` (the
+        whitened prior residual): expectations are then exact and closed form.
+    """
+
+    name: str
+    eta_shape: tuple
+    offset: Variable | None
+    terms: list[LinearTerm]
+    placeholder: Variable | None
+    logp: Variable | None
+    gaussian: bool = False
+    kind: str = "likelihood"
+
+
+@dataclass
+class GeneralTerm:
+    """A log density handled by Monte Carlo and automatic differentiation."""
+
+    name: str
+    logp: Variable
+    reason: str = ""
+
+
+@dataclass
+class ConstantTerm:
+    """A log density that does not depend on the Gaussian globals."""
+
+    name: str
+    logp: Variable
+
+
+@dataclass
+class TwoLevelModel:
+    """What the engine needs to know about a PyMC model."""
+
+    model: object
+    gaussians: list[GaussianGlobal]
+    segments: list[Segment]
+    hypers: list[Hyperparameter]
+    predictor_terms: list[PredictorTerm]
+    general_terms: list[GeneralTerm]
+    constant_terms: list[ConstantTerm]
+    observed: dict[str, str] = field(default_factory=dict)
+    minibatch: bool = False
+
+    @property
+    def gaussian_values(self) -> list[Variable]:
+        return [g.value for g in self.gaussians]
+
+    @property
+    def hyper_values(self) -> list[Variable]:
+        return [h.value for h in self.hypers]
+
+    @property
+    def dim(self) -> int:
+        return sum(g.size for g in self.gaussians)

@@ -1,0 +1,139 @@
+"""Covariance structure of the Gaussian q: how globals are grouped into segments.
+
+q over the Gaussian globals factorizes over *segments*; each segment is
+``rows`` independent Gaussian blocks of size ``k`` (paper: one full covariance
+per column of U and V in PMF, per document in CTM). ``"full"`` keeps all
+correlations of its members, ``"block"`` keeps the correlations within each
+leading index (row), ``"diag"`` keeps none.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pymc_mcssvi.exceptions import UnsupportedModelError
+from pymc_mcssvi.recognize.ir import GaussianGlobal, Segment
+
+__all__ = ["MAX_FULL_DIM", "build_segments", "resolve_structure"]
+
+#: Largest total dimension for which the automatic layout keeps one full covariance.
+MAX_FULL_DIM = 1000
+
+
+def resolve_structure(
+    gaussians: list[GaussianGlobal], cov: str | dict | None, joint_blocks: list[list[int]] | None = None
+) -> dict[int, str]:
+    """Choose ``"full"``, ``"block"`` or ``"diag"`` for every Gaussian global.
+
+    Parameters
+    ----------
+    gaussians : list of GaussianGlobal
+    cov : {"auto", "full", "block", "diag"} or dict, optional
+        One structure for all globals, or a mapping from global name to
+        structure (unlisted globals get the automatic choice).
+    joint_blocks : list of list of int, optional
+        Groups of globals that the recognizer found indexed by the same
+        grouping factor; the automatic choice puts them in one block segment.
+
+    Returns
+    -------
+    dict
+        Global id to structure.
+    """
+    valid = {"auto", "full", "block", "diag"}
+    names = {g.name: i for i, g in enumerate(gaussians)}
+    per_var = {}
+    if isinstance(cov, dict):
+        for name, kind in cov.items():
+            if name not in names:
+                raise UnsupportedModelError(
+                    name, f"`cov` names {name!r}, which is not a Gaussian global of the model",
+                    f"use one of {sorted(names)}",
+                )
+            per_var[names[name]] = kind
+        default = "auto"
+    else:
+        default = "auto" if cov is None else cov
+    for kind in [default, *per_var.values()]:
+        if kind not in valid:
+            raise ValueError(f"cov must be one of {sorted(valid)} or a dict of them, got {kind!r}")
+
+    total = sum(g.size for g in gaussians)
+    out = {}
+    for i, g in enumerate(gaussians):
+        kind = per_var.get(i, default)
+        if kind == "auto":
+            if total <= MAX_FULL_DIM or g.size <= 64:
+                kind = "full"
+            elif len(g.shape) >= 2:
+                kind = "block"
+            else:
+                kind = "diag"
+        if kind == "block" and len(g.shape) < 2:
+            # A vector has one entry per row: its row blocks are 1 x 1.
+            kind = "diag" if not _in_joint(i, joint_blocks) else "block"
+        out[i] = kind
+    return out
+
+
+def _in_joint(i, joint_blocks):
+    return bool(joint_blocks) and any(i in grp and len(grp) > 1 for grp in joint_blocks)
+
+
+def build_segments(
+    gaussians: list[GaussianGlobal], structure: dict[int, str], joint_blocks: list[list[int]] | None = None
+) -> list[Segment]:
+    """Group globals into segments according to ``structure``.
+
+    All ``"full"`` globals share one segment (their cross-covariances are kept);
+    each ``"diag"`` global gets a diagonal segment; ``"block"`` globals that are
+    listed together in ``joint_blocks`` (same leading length) share one block
+    segment whose rows hold all their effects for one group, and other block
+    globals get their own.
+    """
+    segments: list[Segment] = []
+    full = [i for i in range(len(gaussians)) if structure[i] == "full"]
+    if full:
+        seg = Segment("full", 1, sum(gaussians[i].size for i in full), full)
+        off = 0
+        for i in full:
+            n = gaussians[i].size
+            seg.row_of[i] = np.zeros(n, dtype="int64")
+            seg.col_of[i] = off + np.arange(n, dtype="int64")
+            off += n
+        segments.append(seg)
+    done = set(full)
+    for grp in joint_blocks or []:
+        members = [i for i in grp if structure[i] == "block" and i not in done]
+        if len(members) < 2:
+            continue
+        rows = {gaussians[i].shape[0] for i in members}
+        if len(rows) != 1:
+            continue
+        (r,) = rows
+        ks = [gaussians[i].size // r for i in members]
+        seg = Segment("block", r, sum(ks), members)
+        off = 0
+        for i, k in zip(members, ks, strict=True):
+            j = np.arange(gaussians[i].size, dtype="int64")
+            seg.row_of[i] = j // k
+            seg.col_of[i] = off + j % k
+            off += k
+        segments.append(seg)
+        done.update(members)
+    for i, g in enumerate(gaussians):
+        if i in done:
+            continue
+        j = np.arange(g.size, dtype="int64")
+        if structure[i] == "diag":
+            seg = Segment("diag", g.size, 1, [i])
+            seg.row_of[i] = j
+            seg.col_of[i] = np.zeros_like(j)
+        else:
+            r = g.shape[0] if g.shape else 1
+            k = g.size // max(r, 1)
+            seg = Segment("block", r, k, [i])
+            seg.row_of[i] = j // k
+            seg.col_of[i] = j % k
+        segments.append(seg)
+    return segments

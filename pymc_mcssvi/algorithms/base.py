@@ -36,7 +36,18 @@ class Algorithm:
             out.append((ms, fs))
         return out
 
-    def step(self, states, grads, hessians, rho, scale, t, opt_states):  # pragma: no cover - abstract
+    def restart_opt_state(self, opt_states):
+        """Optimizer states to step from after a rejected candidate."""
+        out = []
+        for ms, fs in opt_states:
+            ms = self.mean_optimizer.restart(ms) if self.mean_optimizer else ms
+            fs = self.factor_optimizer.restart(fs) if self.factor_optimizer else fs
+            out.append((ms, fs))
+        return out
+
+    def step(
+        self, states, grads, hessians, rho, scale, t, opt_states
+    ):  # pragma: no cover - abstract
         raise NotImplementedError
 
     @staticmethod

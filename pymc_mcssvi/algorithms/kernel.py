@@ -86,7 +86,9 @@ class StepKernel:
         deterministic: full batch and quadrature / fixed draws).
     """
 
-    def __init__(self, bound, algorithm, schedule, init_means, init_factors, hypers=None, monotone=True):
+    def __init__(
+        self, bound, algorithm, schedule, init_means, init_factors, hypers=None, monotone=True
+    ):
         self.bound = bound
         self.algorithm = algorithm
         self.schedule = schedule
@@ -117,9 +119,14 @@ class StepKernel:
 
     @staticmethod
     def _shared_tree(tree, name):
-        return tuple(tuple(_shared(x, f"{name}_{i}_{j}") for j, x in enumerate(part)) for i, part in enumerate(tree)) if (
-            tree and isinstance(tree[0], tuple)
-        ) else tuple(_shared(x, f"{name}_{i}") for i, x in enumerate(tree))
+        return (
+            tuple(
+                tuple(_shared(x, f"{name}_{i}_{j}") for j, x in enumerate(part))
+                for i, part in enumerate(tree)
+            )
+            if (tree and isinstance(tree[0], tuple))
+            else tuple(_shared(x, f"{name}_{i}") for i, x in enumerate(tree))
+        )
 
     # ------------------------------------------------------------------ graphs
     def base_states(self):
@@ -155,11 +162,15 @@ class StepKernel:
         else:
             accept = finite
         sel = lambda a, b: pt.switch(accept, a, b)  # noqa: E731
-        new_base = [GaussianBlocks(sel(c.mean, m), sel(c.factor, f)) for c, m, f in zip(cand, self.base_mean, self.base_factor, strict=True)]
+        new_base = [
+            GaussianBlocks(sel(c.mean, m), sel(c.factor, f))
+            for c, m, f in zip(cand, self.base_mean, self.base_factor, strict=True)
+        ]
         g = [sel(gc, gb) for gc, gb in zip(grads, self.base_g, strict=True)]
         H = [sel(hc, hb) for hc, hb in zip(hessians, self.base_H, strict=True)]
         new_bound = sel(value, self.base_bound)
-        opt = [_select_tree(accept, c, b) for c, b in zip(self.cand_opt, self.base_opt, strict=True)]
+        restarted = alg.restart_opt_state(self.base_opt)
+        opt = [_select_tree(accept, c, b) for c, b in zip(self.cand_opt, restarted, strict=True)]
         scale = self.schedule.next_scale(self.scale, accept)
         t = self.t + pt.cast(accept, "float64")
         rho = pt.minimum(self.schedule.base(t) * scale, 1.0)
@@ -185,7 +196,9 @@ class StepKernel:
             hg = sel(hgrad, self.base_hgrad)
             hg_safe = pt.switch(pt.isfinite(hg), hg, 0.0)
             h_base = sel(self.cand_h, self.base_h)
-            hopt = _select_tree(accept, self.cand_hopt, self.base_hopt)
+            hopt = _select_tree(
+                accept, self.cand_hopt, self.hypers.optimizer.restart(self.base_hopt)
+            )
             delta, hopt_next = self.hypers.optimizer.update(hg_safe, hopt, scale, t)
             updates[self.base_h] = h_base
             updates[self.base_hgrad] = hg

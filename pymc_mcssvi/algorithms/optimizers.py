@@ -58,6 +58,14 @@ class Optimizer:
             return (z, z.copy())
         return ()
 
+    def restart(self, state):
+        """State after a rejected step: Adam's momentum is dropped so that the next
+        step follows the (rescaled) gradient, an ascent direction for small steps."""
+        if self.kind == "adam":
+            m, v = state
+            return (pt.zeros_like(m), v)
+        return state
+
     def update(self, grad, state, scale, t):
         """Ascent step ``delta`` and the new optimizer state.
 

@@ -78,7 +78,29 @@ class StructuredBound:
             self.geometries.append(PredictorGeometry(term, tlm.segments, seg_of, n_rows))
         self.general = GeneralEstimator(tlm, n_draws=n_draws, fixed=fixed_draws, seed=seed)
 
-    def evaluate(self, states: list[GaussianBlocks], need_derivatives: bool = True, need_hessian: bool = True):
+    def work_estimate(self) -> float:
+        """Rough number of floating-point operations of one iteration.
+
+        Used to choose between running the step with Python-level operations
+        (no compilation) and compiling it with numba.
+        """
+        total = 0.0
+        for term, geom in zip(self.tlm.predictor_terms, self.geometries, strict=True):
+            rows = float(geom.n_rows.eval(mode="FAST_COMPILE"))
+            per_row = 0.0 if term.gaussian else 10.0 * self.n_points
+            for p in geom.pieces:
+                seg = self.tlm.segments[p.segment]
+                per_row += 4.0 * seg.dim if p.dense_path else 4.0 * max(1, seg.k) ** 2
+            total += rows * per_row
+        if self.general.active:
+            total += 50.0 * self.general.n_draws * self.general.dim**2
+        for seg in self.tlm.segments:
+            total += 2.0 * seg.rows * seg.k**3
+        return total
+
+    def evaluate(
+        self, states: list[GaussianBlocks], need_derivatives: bool = True, need_hessian: bool = True
+    ):
         """Build the bound and its natural-gradient ingredients for ``states``.
 
         Returns
@@ -115,7 +137,9 @@ class StructuredBound:
                 beta = None if beta is None else beta.reshape((-1,))
             expected = expected + pt.sum(T)
             if need_derivatives:
-                grads, hessians = geom.accumulate(alpha, beta if need_hessian else None, grads, hessians, designs)
+                grads, hessians = geom.accumulate(
+                    alpha, beta if need_hessian else None, grads, hessians, designs
+                )
         T_gen, g_gen, H_gen = self.general.expectations(states, self.parameterization, need_hessian)
         expected = expected + T_gen
         if need_derivatives:
@@ -124,8 +148,13 @@ class StructuredBound:
         for c in tlm.constant_terms:
             expected = expected + pt.sum(c.logp)
         ent = pt.sum([entropy(st, self.parameterization) for st in states])
-        grads = [pt.zeros(st.mean.shape) if g is None else g for g, st in zip(grads, states, strict=True)]
-        hessians = [pt.zeros(st.factor.shape) if h is None else h for h, st in zip(hessians, states, strict=True)]
+        grads = [
+            pt.zeros(st.mean.shape) if g is None else g for g, st in zip(grads, states, strict=True)
+        ]
+        hessians = [
+            pt.zeros(st.factor.shape) if h is None else h
+            for h, st in zip(hessians, states, strict=True)
+        ]
         return BoundEvaluation(expected + ent, grads, hessians, expected, ent)
 
 

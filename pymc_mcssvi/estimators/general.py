@@ -71,7 +71,8 @@ class GeneralEstimator:
             return
         w = pt.vector("w_flat", shape=(self.dim,))
         repl = {
-            g.value: w[o : o + g.size].reshape(g.shape) for g, o in zip(tlm.gaussians, self.offsets, strict=True)
+            g.value: w[o : o + g.size].reshape(g.shape)
+            for g, o in zip(tlm.gaussians, self.offsets, strict=True)
         }
         total = pt.sum([pt.sum(t.logp) for t in tlm.general_terms])
         total = graph_replace(total, repl, strict=False)

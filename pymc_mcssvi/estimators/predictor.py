@@ -42,7 +42,9 @@ class SegmentPieces:
     """The parts of one predictor term that read one segment."""
 
     segment: int
-    dense: list[tuple[np.ndarray, object]] = field(default_factory=list)  # (segment coords, vals (n|1, k))
+    dense: list[tuple[np.ndarray, object]] = field(
+        default_factory=list
+    )  # (segment coords, vals (n|1, k))
     sparse: list[tuple[object, object, object]] = field(default_factory=list)  # (rows, cols, vals)
     dense_path: bool = True
 
@@ -61,7 +63,9 @@ class PredictorGeometry:
         Number of predictor entries (``prod(eta_shape)``).
     """
 
-    def __init__(self, term: PredictorTerm, segments: list[Segment], seg_of: dict[int, int], n_rows):
+    def __init__(
+        self, term: PredictorTerm, segments: list[Segment], seg_of: dict[int, int], n_rows
+    ):
         self.term = term
         self.segments = segments
         self.n_rows = n_rows
@@ -125,7 +129,11 @@ class PredictorGeometry:
         """
         n = self.n_rows
         offset = self.term.offset
-        mu = pt.zeros((n,)) if offset is None else pt.broadcast_to(offset, self.term.eta_shape).reshape((n,))
+        mu = (
+            pt.zeros((n,))
+            if offset is None
+            else pt.broadcast_to(offset, self.term.eta_shape).reshape((n,))
+        )
         var = pt.zeros((n,))
         for p in self.pieces:
             seg = self.segments[p.segment]
@@ -168,7 +176,9 @@ class PredictorGeometry:
                 H = None
                 if beta is not None:
                     same = pt.eq(rows[:, :, None], rows[:, None, :])
-                    w = pt.switch(same, beta[:, None, None] * vals[:, :, None] * vals[:, None, :], 0.0)
+                    w = pt.switch(
+                        same, beta[:, None, None] * vals[:, :, None] * vals[:, None, :], 0.0
+                    )
                     r3 = pt.broadcast_to(rows[:, :, None], w.shape)
                     H = pt.zeros((R, K, K))
                     H = pt.inc_subtensor(H[r3, cols[:, :, None], cols[:, None, :]], w)
@@ -181,12 +191,12 @@ class PredictorGeometry:
 def _constant_cols(t: LinearTerm):
     """Numeric column indices of a dense term, or None if they are data dependent."""
     try:
-        from pytensor.graph.traversal import graph_inputs
         from pytensor.graph.basic import Constant
+        from pytensor.graph.traversal import graph_inputs
 
         if not all(isinstance(v, Constant) for v in graph_inputs([t.cols])):
             return None
-        return np.asarray(t.cols.eval()).reshape(-1).astype("int64")
+        return np.asarray(t.cols.eval(mode="FAST_COMPILE")).reshape(-1).astype("int64")
     except Exception:
         return None
 

@@ -77,7 +77,8 @@ def expected_derivatives(
     n_points : int
         Quadrature nodes, or Monte Carlo draws per predictor entry.
     rng : shared RNG, optional
-        Required for ``method="mc"``.
+        Generator of the ``method="mc"`` draws (a new shared one by default;
+        PyMC's ``compile`` seeds it).
 
     Returns
     -------
@@ -97,8 +98,6 @@ def expected_derivatives(
         vals = vectorize_graph(list(graphs), {placeholder: points})
         out = [pt.sum(w * v, axis=0) for v in vals]
     elif method == "mc":
-        if rng is None:
-            raise ValueError("method='mc' needs a random generator")
         shape = (int(n_points), *[mean.shape[i] for i in range(mean.ndim)])
         z = pt.random.normal(size=shape, rng=rng)
         points = mean[None] + sd[None] * z

@@ -43,6 +43,7 @@ __all__ = [
     "kl_to_gaussian",
     "natural_step",
     "precision",
+    "psd_projection",
     "sample",
 ]
 
@@ -145,7 +146,9 @@ def entropy(state: GaussianBlocks, parameterization: Parameterization):
     return 0.5 * dim * (1.0 + np.log(2 * np.pi)) + 0.5 * log_det_covariance(state, parameterization)
 
 
-def kl_to_gaussian(state: GaussianBlocks, parameterization: Parameterization, prior_mean, prior_precision):
+def kl_to_gaussian(
+    state: GaussianBlocks, parameterization: Parameterization, prior_mean, prior_precision
+):
     """``KL(q || N(prior_mean, prior_precision^{-1}))`` for block-diagonal priors.
 
     Parameters
@@ -167,7 +170,24 @@ def kl_to_gaussian(state: GaussianBlocks, parameterization: Parameterization, pr
     Lp = cholesky(prior_precision)
     logdet_prior_prec = 2.0 * pt.sum(pt.log(pt.diagonal(Lp, axis1=-2, axis2=-1)))
     dim = state.mean.shape[0] * state.mean.shape[1]
-    return 0.5 * (trace + quad - dim - logdet_prior_prec - log_det_covariance(state, parameterization))
+    return 0.5 * (
+        trace + quad - dim - logdet_prior_prec - log_det_covariance(state, parameterization)
+    )
+
+
+def psd_projection(A):
+    """Nearest positive semi-definite matrices (Frobenius) of symmetric blocks ``A``.
+
+    Notes
+    -----
+    Eigenvalues below zero are clipped (paper, CTM section). Used only when the
+    natural step with the exact Hessian would leave the precision indefinite.
+    """
+    if A.type.shape[-1] == 1:
+        return pt.maximum(A, 0.0)
+    A = 0.5 * (A + pt.matrix_transpose(A))
+    lam, V = pt.linalg.eigh(A)
+    return (V * pt.maximum(lam, 0.0)[..., None, :]) @ pt.matrix_transpose(V)
 
 
 def natural_step(state: GaussianBlocks, g, H, rho, mean_update: bool = True) -> GaussianBlocks:
@@ -183,25 +203,32 @@ def natural_step(state: GaussianBlocks, g, H, rho, mean_update: bool = True) -> 
         Step size; ``rho = 1`` is the fixed-point update ``theta <- theta_p + G``.
     mean_update : bool
         Also update ``P m`` (MC-SSVI); with ``False`` the mean is kept
-        (H-MC-SSVI updates it by a standard gradient step instead).
+        (H-MC-SSVI updates it by a separate gradient step).
 
     Returns
     -------
     GaussianBlocks
-        New mean and factor; NaN if the new precision is not positive definite.
+        New mean and factor.
 
     Notes
     -----
-    ``P`` is formed from its factor; the new mean solves ``P_new m = b`` with two
-    triangular solves. For a conjugate model (Gaussian likelihood, affine
-    predictor) ``rho = 1`` lands exactly on the posterior.
+    For a log-concave model ``-H`` is positive semi-definite and so is the new
+    precision. Otherwise a block whose new precision is indefinite (its Cholesky
+    factorization fails) uses the projection of ``-H`` onto the positive
+    semi-definite cone instead, which keeps ``P`` positive definite for any
+    ``rho`` in (0, 1]. The new mean solves ``P_new m = b`` with two triangular
+    solves. For a conjugate model (Gaussian likelihood, affine predictor)
+    ``rho = 1`` lands exactly on the posterior.
     """
     L = state.factor
     m = state.mean
     P = L @ pt.matrix_transpose(L)
+    H = 0.5 * (H + pt.matrix_transpose(H))
+    trial = cholesky((1.0 - rho) * P - rho * H)
+    bad = pt.any(pt.isnan(trial), axis=(-2, -1))
+    H = pt.switch(bad[..., None, None], -psd_projection(-H), H)
     P_new = (1.0 - rho) * P - rho * H
-    P_new = 0.5 * (P_new + pt.matrix_transpose(P_new))
-    L_new = cholesky(P_new)
+    L_new = pt.switch(bad[..., None, None], cholesky(P_new), trial)
     if not mean_update:
         return GaussianBlocks(m, L_new)
     Hm = (H @ m[..., None])[..., 0]

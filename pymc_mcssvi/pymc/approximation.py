@@ -10,6 +10,7 @@ on the samples, ``approx.mean`` / ``std`` / ``cov`` and callbacks.
 from __future__ import annotations
 
 import numpy as np
+import pytensor
 import pytensor.tensor as pt
 from pymc.variational.opvi import Approximation, Group, node_property
 from xarray import Dataset
@@ -50,7 +51,10 @@ class StructuredGaussianGroup(Group):
         self._finalize_init()
 
     def _states(self):
-        return [GaussianBlocks(m, f) for m, f in zip(self.shared_means, self.shared_factors, strict=True)]
+        return [
+            GaussianBlocks(m, f)
+            for m, f in zip(self.shared_means, self.shared_factors, strict=True)
+        ]
 
     @node_property
     def symbolic_random(self):
@@ -86,7 +90,9 @@ class StructuredGaussianGroup(Group):
 
     @node_property
     def symbolic_logq_not_scaled(self):
-        raise NotImplementedError("the structured q is fitted by its own bound, not by PyMC operators")
+        raise NotImplementedError(
+            "the structured q is fitted by its own bound, not by PyMC operators"
+        )
 
 
 @Group.register
@@ -162,7 +168,10 @@ class StructuredApproximation(Approximation):
         return pt.linalg.block_diag(*[g.cov for g in self.groups])
 
     def _to_data(self, flat) -> Dataset:
-        parts = [g.var_to_data(flat[slice(*s)]) for g, s in zip(self.groups, self._group_slices(), strict=True)]
+        parts = [
+            g.var_to_data(flat[slice(*s)])
+            for g, s in zip(self.groups, self._group_slices(), strict=True)
+        ]
         return Dataset({k: v for p in parts for k, v in p.data_vars.items()})
 
     def _group_slices(self):
@@ -183,8 +192,15 @@ class StructuredApproximation(Approximation):
         return self._to_data(self.std)
 
     def sample(self, draws=500, *, random_seed=None, return_inferencedata=True, **kwargs):
-        """Draw from the approximation; see :meth:`pymc.variational.opvi.Approximation.sample`."""
-        out = super().sample(draws, random_seed=random_seed, return_inferencedata=return_inferencedata, **kwargs)
+        """Draw from the approximation; see :meth:`pymc.variational.opvi.Approximation.sample`.
+
+        The draws are computed with Python-level operations (no compilation),
+        which is faster than compiling for a one-off call.
+        """
+        with pytensor.config.change_flags(mode="FAST_COMPILE"):
+            out = super().sample(
+                draws, random_seed=random_seed, return_inferencedata=return_inferencedata, **kwargs
+            )
         if return_inferencedata and self.point_estimates:
             try:
                 out["posterior"].attrs["point_estimates"] = list(self.point_estimates)

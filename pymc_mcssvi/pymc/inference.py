@@ -12,6 +12,7 @@ import time
 
 import numpy as np
 import pymc as pm
+import pytensor
 from pymc.initial_point import make_initial_point_fn
 from pymc.progress_bar import CustomProgress, default_progress_theme
 from pymc.pytensorf import compile as pm_compile
@@ -29,7 +30,11 @@ from pymc_mcssvi.algorithms.sdsvi import SDSVIStep
 from pymc_mcssvi.bounds.structured import StructuredBound
 from pymc_mcssvi.estimators.general import flat_indices
 from pymc_mcssvi.exceptions import DivergenceError
-from pymc_mcssvi.pymc.approximation import PointGroup, StructuredApproximation, StructuredGaussianGroup
+from pymc_mcssvi.pymc.approximation import (
+    PointGroup,
+    StructuredApproximation,
+    StructuredGaussianGroup,
+)
 from pymc_mcssvi.recognize.model import recognize
 
 __all__ = ["HMCSSVI", "MCSSVI", "SDSVI", "StructuredVI"]
@@ -38,6 +43,12 @@ logger = logging.getLogger("pymc_mcssvi")
 
 #: Consecutive rejected steps after which the fit is declared divergent.
 MAX_REJECTIONS = 40
+
+#: Estimated flops per iteration above which the step is compiled with numba.
+NUMBA_WORK_THRESHOLD = 2e6
+
+#: Mode for one-off helper functions (initial points, sampling): no compilation.
+HELPER_MODE = "FAST_COMPILE"
 
 
 class StructuredVI(Inference):
@@ -101,6 +112,49 @@ class StructuredVI(Inference):
     ):
         self.model = pm.modelcontext(model)
         self.random_seed = random_seed
+        with pytensor.config.change_flags(mode=HELPER_MODE):
+            self._setup(
+                start,
+                start_sigma,
+                cov,
+                hyper,
+                schedule,
+                rho0,
+                tau,
+                kappa,
+                mean_optimizer,
+                factor_optimizer,
+                hyper_optimizer,
+                estimator,
+                n_points,
+                n_draws,
+                fixed_draws,
+            )
+        self.hist = np.asarray(())
+        self.state = None
+        self._step_fns = {}
+        self._rejections = 0
+        self.backend_used = None
+
+    def _setup(
+        self,
+        start,
+        start_sigma,
+        cov,
+        hyper,
+        schedule,
+        rho0,
+        tau,
+        kappa,
+        mean_optimizer,
+        factor_optimizer,
+        hyper_optimizer,
+        estimator,
+        n_points,
+        n_draws,
+        fixed_draws,
+    ):
+        random_seed = self.random_seed
         if hyper not in ("point",):
             raise ValueError(f"hyper must be 'point', got {hyper!r}")
         t0 = time.perf_counter()
@@ -114,7 +168,11 @@ class StructuredVI(Inference):
         if fixed_draws is None:
             fixed_draws = not minibatch
         self.algorithm = self._make_algorithm(mean_optimizer, factor_optimizer)
-        seed = 0 if random_seed is None else int(np.random.SeedSequence(random_seed).generate_state(1)[0])
+        seed = (
+            0
+            if random_seed is None
+            else int(np.random.SeedSequence(random_seed).generate_state(1)[0])
+        )
         self.bound = StructuredBound(
             self.tlm,
             parameterization=self.algorithm.parameterization,
@@ -126,30 +184,38 @@ class StructuredVI(Inference):
         )
         deterministic = (estimator == "quadrature") and (fixed_draws or not self.tlm.general_terms)
         monotone = self.schedule.monotone and deterministic and not minibatch
-        means, factors, hyper_spec = self._initial_state(start, start_sigma, make_optimizer(hyper_optimizer, 0.05))
-        self.kernel = StepKernel(self.bound, self.algorithm, self.schedule, means, factors, hyper_spec, monotone)
+        means, factors, hyper_spec = self._initial_state(
+            start, start_sigma, make_optimizer(hyper_optimizer, 0.05)
+        )
+        self.kernel = StepKernel(
+            self.bound, self.algorithm, self.schedule, means, factors, hyper_spec, monotone
+        )
         self._approx = self._make_approximation()
-        self.hist = np.asarray(())
-        self.state = None
-        self._step_fns = {}
-        self._rejections = 0
 
     # ------------------------------------------------------------------ set-up
     def _make_algorithm(self, mean_optimizer, factor_optimizer):
-        mo = make_optimizer(mean_optimizer or self.default_mean_optimizer, 1.0) if (
-            mean_optimizer or self.default_mean_optimizer
-        ) else None
-        fo = make_optimizer(factor_optimizer or self.default_factor_optimizer, 1.0) if (
-            factor_optimizer or self.default_factor_optimizer
-        ) else None
+        mo = (
+            make_optimizer(mean_optimizer or self.default_mean_optimizer, 1.0)
+            if (mean_optimizer or self.default_mean_optimizer)
+            else None
+        )
+        fo = (
+            make_optimizer(factor_optimizer or self.default_factor_optimizer, 1.0)
+            if (factor_optimizer or self.default_factor_optimizer)
+            else None
+        )
         return self.algorithm_cls(mean_optimizer=mo, factor_optimizer=fo)
 
     def _initial_state(self, start, start_sigma, hyper_optimizer):
-        ipfn = make_initial_point_fn(model=self.model, overrides=start, jitter_rvs={}, return_transformed=True)
+        ipfn = make_initial_point_fn(
+            model=self.model, overrides=start, jitter_rvs={}, return_transformed=True
+        )
         point = ipfn(0)
         tlm = self.tlm
         offsets, dim, maps = flat_indices(tlm)
-        flat = np.concatenate([np.asarray(point[g.value.name], dtype="float64").reshape(-1) for g in tlm.gaussians])
+        flat = np.concatenate(
+            [np.asarray(point[g.value.name], dtype="float64").reshape(-1) for g in tlm.gaussians]
+        )
         sigma = float(start_sigma)
         if not np.isfinite(sigma) or sigma <= 0:
             raise ValueError(f"start_sigma must be a positive number, got {start_sigma!r}")
@@ -164,8 +230,12 @@ class StructuredVI(Inference):
         self._flat_maps = maps
         hyper = None
         if tlm.hypers:
-            init = np.concatenate([np.asarray(point[h.value.name], dtype="float64").reshape(-1) for h in tlm.hypers])
-            hyper = HyperSpec([h.value for h in tlm.hypers], [h.shape for h in tlm.hypers], init, hyper_optimizer)
+            init = np.concatenate(
+                [np.asarray(point[h.value.name], dtype="float64").reshape(-1) for h in tlm.hypers]
+            )
+            hyper = HyperSpec(
+                [h.value for h in tlm.hypers], [h.shape for h in tlm.hypers], init, hyper_optimizer
+            )
         return means, factors, hyper
 
     def _make_approximation(self):
@@ -192,14 +262,34 @@ class StructuredVI(Inference):
     def approx(self):
         return self._approx
 
+    def choose_backend(self) -> str:
+        """The backend used when ``backend=None``.
+
+        Small problems run their step with Python-level (NumPy) operations and
+        skip compilation, which would dominate their wall time (numba compiles
+        a new graph in 10-90 s when its cache is cold); larger ones are compiled
+        with numba. The threshold is :data:`NUMBA_WORK_THRESHOLD` estimated
+        flops per iteration.
+        """
+        with pytensor.config.change_flags(mode=HELPER_MODE):
+            work = self.bound.work_estimate()
+        return "numba" if work > NUMBA_WORK_THRESHOLD else "python"
+
     def _step_function(self, backend=None, compile_kwargs=None):
-        key = (backend, repr(sorted((compile_kwargs or {}).items())))
+        compile_kwargs = dict(compile_kwargs or {})
+        if backend is None and "mode" not in compile_kwargs:
+            backend = self.choose_backend()
+        key = (backend, repr(sorted(compile_kwargs.items())))
         if key not in self._step_fns:
             outputs, updates = self.kernel.build()
-            ck = resolve_backend_compile_kwargs(backend, compile_kwargs)
+            if backend == "python":
+                ck = {**compile_kwargs, "mode": HELPER_MODE}
+            else:
+                ck = resolve_backend_compile_kwargs(backend, compile_kwargs)
             with self.model:
                 fn = pm_compile([], outputs, updates=updates, random_seed=self.random_seed, **ck)
             self._step_fns[key] = fn
+        self.backend_used = backend or "custom"
         return self._step_fns[key]
 
     # --------------------------------------------------------------------- fit
@@ -235,8 +325,10 @@ class StructuredVI(Inference):
             minibatch fits).
         max_iter : int
             Cap on the number of iterations when ``n`` is None.
-        backend : {"numba", "c", "jax"}, optional
-            PyTensor backend of the compiled step.
+        backend : {"numba", "c", "jax", "python"}, optional
+            PyTensor backend of the compiled step. ``None`` chooses ``"python"``
+            (no compilation) for small problems and ``"numba"`` for large ones,
+            see :meth:`choose_backend`.
 
         Returns
         -------
@@ -257,7 +349,7 @@ class StructuredVI(Inference):
         if tol is None:
             tol = 1e-3 if self.tlm.minibatch else 1e-8
         scores = np.full(total, np.nan)
-        accepts: list[bool] = []
+        gains: list[float] = []
         i = 0
         converged = False
         start_iter = len(self.hist)
@@ -270,16 +362,19 @@ class StructuredVI(Inference):
             task = progress.add_task("Fitting", total=total, loss="")
             try:
                 for i in range(total):
+                    prev = float(self.kernel.base_bound.get_value())
                     base, cand, accepted, rho = step()
                     scores[i] = -float(base)
-                    accepts.append(bool(accepted))
+                    gains.append(float(cand) - prev if np.isfinite(prev) else np.inf)
                     self._track_rejections(bool(accepted), float(cand), start_iter + i)
                     progress.update(task, advance=1)
                     if i % 5 == 0 or i == total - 1:
-                        progress.update(task, loss=f"-ELBO = {scores[i]:,.6g}  rho = {float(rho):.3g}")
+                        progress.update(
+                            task, loss=f"-ELBO = {scores[i]:,.6g}  rho = {float(rho):.3g}"
+                        )
                     for cb in callbacks:
                         cb(self.approx, scores[: i + 1], start_iter + i + 1)
-                    if auto_stop and self._converged(scores[: i + 1], accepts, tol):
+                    if auto_stop and self._converged(scores[: i + 1], gains, tol):
                         converged = True
                         i += 1
                         break
@@ -299,7 +394,9 @@ class StructuredVI(Inference):
             group.include_transformed = include_transformed
         if auto_stop:
             msg = "converged" if converged else "stopped at max_iter without converging"
-            logger.info(f"{type(self).__name__}: {msg} after {i} iterations, -ELBO = {scores[-1]:,.6g}")
+            logger.info(
+                f"{type(self).__name__}: {msg} after {i} iterations, -ELBO = {scores[-1]:,.6g}"
+            )
         self.state = i
         return self.approx
 
@@ -330,12 +427,15 @@ class StructuredVI(Inference):
                 iteration=iteration,
             )
 
-    def _converged(self, scores, accepts, tol) -> bool:
+    def _converged(self, scores, gains, tol) -> bool:
         """Default stopping rule.
 
-        Full batch: the last three steps were accepted and together improved the
-        bound by at most ``tol`` (relative). Minibatch: the averages of the last
-        two windows of 50 iterations differ by at most ``tol`` (relative).
+        Full batch: in each of the last three iterations the candidate's bound
+        differed from the current one by at most ``tol * |ELBO| + 1e-6``, whether
+        the step was accepted (it gained little) or rejected (it would have lost
+        little: the remaining difference is at the level of quadrature error).
+        Minibatch: the averages of the last two windows of 50 iterations differ
+        by at most ``tol`` (relative).
         """
         if self.tlm.minibatch:
             w = 50
@@ -344,9 +444,10 @@ class StructuredVI(Inference):
             a, b = np.mean(scores[-w:]), np.mean(scores[-2 * w : -w])
             return abs(a - b) <= tol * abs(b)
         k = 3
-        if len(scores) <= k or not all(accepts[-k:]):
+        if len(scores) <= k or not np.all(np.isfinite(scores[-k - 1 :])):
             return False
-        return (scores[-k - 1] - scores[-1]) <= tol * abs(scores[-1])
+        limit = tol * abs(scores[-1]) + 1e-6
+        return all(abs(g) <= limit for g in gains[-k:])
 
 
 class MCSSVI(StructuredVI):

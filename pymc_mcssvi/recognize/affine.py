@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytensor.tensor as pt
 from pytensor.compile.builders import OpFromGraph
-from pytensor.graph.basic import Variable
 from pytensor.compile.rewriting import inline_ofg_node
+from pytensor.graph.basic import Variable
 from pytensor.graph.replace import graph_replace
 from pytensor.graph.traversal import ancestors
 from pytensor.scalar import basic as ps
@@ -284,7 +284,9 @@ class _Linearizer:
                 if i != j:
                     factor = x if factor is None else factor * x
             off = None if a.offset is None else a.offset * factor
-            return AffineForm(var.ndim, off, [_pad_left(t, var.ndim).scaled(factor) for t in a.terms])
+            return AffineForm(
+                var.ndim, off, [_pad_left(t, var.ndim).scaled(factor) for t in a.terms]
+            )
         if isinstance(sop, ps.TrueDiv):
             if dep[1] or not dep[0]:
                 return None
@@ -293,7 +295,9 @@ class _Linearizer:
                 return None
             factor = 1.0 / ins[1]
             off = None if a.offset is None else a.offset * factor
-            return AffineForm(var.ndim, off, [_pad_left(t, var.ndim).scaled(factor) for t in a.terms])
+            return AffineForm(
+                var.ndim, off, [_pad_left(t, var.ndim).scaled(factor) for t in a.terms]
+            )
         if isinstance(sop, ps.Identity | ps.Cast):
             if not var.dtype.startswith("float"):
                 return None
@@ -425,7 +429,11 @@ class _Linearizer:
         for t in a.terms:
             t = _full_leading(_pad_left(t, x.ndim), shape)
             terms.append(t.map(lambda c: c.reshape((*new, c.shape[-1]), ndim=var.ndim + 1)))
-        off = None if a.offset is None else pt.broadcast_to(a.offset, shape).reshape(new, ndim=var.ndim)
+        off = (
+            None
+            if a.offset is None
+            else pt.broadcast_to(a.offset, shape).reshape(new, ndim=var.ndim)
+        )
         return AffineForm(var.ndim, off, terms)
 
     def _alloc(self, var, node):
@@ -437,8 +445,15 @@ class _Linearizer:
         for t in a.terms:
             t = _pad_left(t, var.ndim)
             k = t.cols.shape[-1]
-            terms.append(LinearTerm(t.source, t.cols, pt.broadcast_to(
-                pt.ones((), dtype=var.dtype) if t.vals is None else t.vals, (*shape, k))))
+            terms.append(
+                LinearTerm(
+                    t.source,
+                    t.cols,
+                    pt.broadcast_to(
+                        pt.ones((), dtype=var.dtype) if t.vals is None else t.vals, (*shape, k)
+                    ),
+                )
+            )
         off = None if a.offset is None else pt.alloc(a.offset, *shape)
         return AffineForm(var.ndim, off, terms)
 
@@ -470,7 +485,9 @@ class _Linearizer:
         pshapes = [self.shape_of(p) for p in parts]
         for pshape, f in zip(pshapes, forms, strict=True):
             offsets.append(
-                pt.zeros(pshape, dtype=var.dtype) if f.offset is None else pt.broadcast_to(f.offset, pshape).astype(var.dtype)
+                pt.zeros(pshape, dtype=var.dtype)
+                if f.offset is None
+                else pt.broadcast_to(f.offset, pshape).astype(var.dtype)
             )
         off = pt.join(axis, *offsets) if concat else pt.stack(offsets)
         terms = []
@@ -481,7 +498,7 @@ class _Linearizer:
                     t = t.map(lambda c: c[None])
                 vals = pt.ones_like(t.cols, dtype=var.dtype) if t.vals is None else t.vals
                 cols_parts, vals_parts = [], []
-                for j, q in enumerate(parts):
+                for j in range(len(parts)):
                     if j == i:
                         cols_parts.append(t.cols)
                         vals_parts.append(vals)
@@ -490,7 +507,9 @@ class _Linearizer:
                         zshape = (*qshape, t.cols.shape[-1])
                         cols_parts.append(pt.zeros(zshape, dtype=t.cols.dtype))
                         vals_parts.append(pt.zeros(zshape, dtype=vals.dtype))
-                terms.append(LinearTerm(t.source, pt.join(axis, *cols_parts), pt.join(axis, *vals_parts)))
+                terms.append(
+                    LinearTerm(t.source, pt.join(axis, *cols_parts), pt.join(axis, *vals_parts))
+                )
         return AffineForm(var.ndim, off, terms)
 
     def _inline(self, var, node):

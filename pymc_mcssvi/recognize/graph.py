@@ -30,7 +30,9 @@ def remove_checks(var: Variable) -> Variable:
     for; the assertions would otherwise raise inside the compiled step.
     """
     checks = [
-        v for v in ancestors([var]) if v.owner is not None and isinstance(v.owner.op, CheckParameterValue)
+        v
+        for v in ancestors([var])
+        if v.owner is not None and isinstance(v.owner.op, CheckParameterValue)
     ]
     if not checks:
         return var

@@ -21,7 +21,9 @@ MAX_FULL_DIM = 1000
 
 
 def resolve_structure(
-    gaussians: list[GaussianGlobal], cov: str | dict | None, joint_blocks: list[list[int]] | None = None
+    gaussians: list[GaussianGlobal],
+    cov: str | dict | None,
+    joint_blocks: list[list[int]] | None = None,
 ) -> dict[int, str]:
     """Choose ``"full"``, ``"block"`` or ``"diag"`` for every Gaussian global.
 
@@ -47,7 +49,8 @@ def resolve_structure(
         for name, kind in cov.items():
             if name not in names:
                 raise UnsupportedModelError(
-                    name, f"`cov` names {name!r}, which is not a Gaussian global of the model",
+                    name,
+                    f"`cov` names {name!r}, which is not a Gaussian global of the model",
                     f"use one of {sorted(names)}",
                 )
             per_var[names[name]] = kind
@@ -81,7 +84,9 @@ def _in_joint(i, joint_blocks):
 
 
 def build_segments(
-    gaussians: list[GaussianGlobal], structure: dict[int, str], joint_blocks: list[list[int]] | None = None
+    gaussians: list[GaussianGlobal],
+    structure: dict[int, str],
+    joint_blocks: list[list[int]] | None = None,
 ) -> list[Segment]:
     """Group globals into segments according to ``structure``.
 

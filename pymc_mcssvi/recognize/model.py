@@ -28,7 +28,6 @@ from pymc.distributions.multivariate import MvNormalRV
 from pymc.variational.minibatch_rv import MinibatchRandomVariable
 from pytensor.graph.basic import Constant, Variable
 from pytensor.graph.replace import graph_replace
-from pytensor.graph.rewriting.utils import rewrite_graph
 from pytensor.graph.traversal import ancestors
 from pytensor.tensor.random.basic import NormalRV
 from pytensor.tensor.sharedvar import TensorSharedVariable
@@ -40,7 +39,6 @@ from pymc_mcssvi.recognize.graph import (
     depends_on_any,
     is_separable,
     remove_checks,
-    static_shape,
 )
 from pymc_mcssvi.recognize.ir import (
     ConstantTerm,
@@ -51,6 +49,7 @@ from pymc_mcssvi.recognize.ir import (
     TwoLevelModel,
 )
 from pymc_mcssvi.recognize.layout import build_segments, resolve_structure
+from pymc_mcssvi.recognize.stabilize import stable_logp
 
 __all__ = ["recognize"]
 
@@ -117,7 +116,7 @@ def recognize(model: pm.Model | None = None, cov: str | dict | None = None) -> T
     constant_terms: list[ConstantTerm] = []
     observed_forms: dict[str, str] = {}
 
-    for i, g in enumerate(gaussians):
+    for g in gaussians:
         term, const = _prior_term(model, g, gvalues, gshapes)
         predictor_terms.append(term)
         constant_terms.append(const)
@@ -154,7 +153,9 @@ def recognize(model: pm.Model | None = None, cov: str | dict | None = None) -> T
             continue
         term = _likelihood_term(obs.name, logp, gvalues, gshapes)
         if term is None:
-            general_terms.append(GeneralTerm(obs.name, logp, "not a function of one affine predictor"))
+            general_terms.append(
+                GeneralTerm(obs.name, logp, "not a function of one affine predictor")
+            )
             observed_forms[obs.name] = "general"
         else:
             predictor_terms.append(term)
@@ -208,10 +209,10 @@ def _check_imputation(model):
 
 
 def _check_observed_data(model, obs):
+    """NaN or infinite values in the observed data or in data the likelihood reads."""
     value = model.rvs_to_values.get(obs)
-    if value is None:
-        return
-    for v in ancestors([value]):
+    roots = [obs] if value is None else [obs, value]
+    for v in ancestors(roots):
         data = None
         if isinstance(v, Constant):
             data = v.data
@@ -221,9 +222,14 @@ def _check_observed_data(model, obs):
             continue
         data = np.asarray(data)
         if data.dtype.kind == "f" and not np.all(np.isfinite(data)):
+            what = (
+                "its observed data"
+                if v is value
+                else f"the data {v.name or 'array'!r} it depends on"
+            )
             raise UnsupportedModelError(
                 obs.name,
-                "the observed data contain NaN or infinite values",
+                f"{what} contain NaN or infinite values",
                 "remove or impute those entries before building the model",
             )
 
@@ -232,7 +238,9 @@ def _uses_minibatch(model, obs) -> bool:
     value = model.rvs_to_values.get(obs)
     if value is None:
         return False
-    return any(v.owner is not None and isinstance(v.owner.op, MinibatchOp) for v in ancestors([value]))
+    return any(
+        v.owner is not None and isinstance(v.owner.op, MinibatchOp) for v in ancestors([value])
+    )
 
 
 # ------------------------------------------------------------------------- roles
@@ -280,7 +288,10 @@ def _assign_roles(model):
                             reasons[c] = f"sets the scale of {rv.name!r}"
                             del cand[c]
                             changed = True
-                if depends_on_any(loc, others) and linearize(loc, {v: 0 for v in others}, shapes) is None:
+                if (
+                    depends_on_any(loc, others)
+                    and linearize(loc, {v: 0 for v in others}, shapes) is None
+                ):
                     for c in list(cand):
                         if values[c] in others and depends_on_any(loc, [values[c]]):
                             reasons[c] = f"enters the mean of {rv.name!r} non-linearly"
@@ -333,12 +344,18 @@ def _prior_term(model, g: GaussianGlobal, gvalues, gshapes):
         resid = pt.matmul(chol_inv, centered[..., None])[..., 0]
         logdiag = pt.log(pt.diagonal(chol, axis1=-2, axis2=-1))
         n_rows = int(np.prod(g.shape[:-1], dtype=int)) if len(g.shape) > 1 else 1
-        rows_in_chol = int(np.prod(chol.type.shape[:-2], dtype=int)) if chol.ndim > 2 and None not in chol.type.shape[:-2] else 1
+        rows_in_chol = (
+            int(np.prod(chol.type.shape[:-2], dtype=int))
+            if chol.ndim > 2 and None not in chol.type.shape[:-2]
+            else 1
+        )
         const = -pt.sum(logdiag) * (n_rows // max(rows_in_chol, 1))
     form = linearize(resid, gvalues, gshapes)
     if form is None:
         raise UnsupportedModelError(
-            g.name, "its prior mean is not affine in the other Gaussian variables", "report this model as a bug"
+            g.name,
+            "its prior mean is not affine in the other Gaussian variables",
+            "report this model as a bug",
         )
     term = PredictorTerm(
         name=f"prior of {g.name}",
@@ -382,7 +399,7 @@ def _likelihood_term(name, logp, gvalues, gshapes) -> PredictorTerm | None:
         return None
     if not is_separable(replaced, placeholder):
         return None
-    stable = rewrite_graph(replaced, include=("canonicalize", "stabilize"))
+    stable = stable_logp(replaced)
     form = lin(eta)
     shape = lin.shape_of(eta)
     return PredictorTerm(

@@ -1,0 +1,31 @@
+# Every target creates .venv itself (Python 3.12 through pyenv's .python-version).
+PYTHON ?= $(shell pyenv which python 2>/dev/null || command -v python3.12 || command -v python3)
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint docs bench notebooks clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 12), f"Python 3.12+ needed, got {sys.version}"'
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e ".[test,demo,data]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python -m pymc_mcssvi.demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -x --durations=15
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+bench: $(STAMP)
+	$(BIN)/python -m pip install -q -e ".[bench]"
+	$(BIN)/python benchmarks/glm_logistic.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache docs/_build

@@ -1,0 +1,103 @@
+"""Algorithms against closed forms: the conjugate Gaussian linear model.
+
+With a Gaussian likelihood and an affine predictor, one MC-SSVI step with
+rho = 1 lands exactly on the posterior (the fixed-point update is exact).
+"""
+
+import numpy as np
+import pymc as pm
+import pytensor
+import pytensor.tensor as pt
+import pytest
+from scipy import stats
+
+import pymc_mcssvi
+from pymc_mcssvi.algorithms.sdsvi import factor_gradient
+from pymc_mcssvi.families.gaussian import GaussianBlocks
+
+
+@pytest.fixture(scope="module")
+def conjugate():
+    rng = np.random.default_rng(3)
+    n, d = 120, 4
+    X = rng.normal(size=(n, d))
+    g = rng.integers(0, 3, n)
+    sigma = 0.6
+    y = X @ rng.normal(size=d) + rng.normal(0, sigma, n)
+    with pm.Model() as model:
+        b0 = pm.Normal("b0", 1.0, 2.0)
+        w = pm.Normal("w", 0.0, 1.5, shape=d)
+        a = pm.Normal("a", 0.0, 0.5, shape=3)
+        pm.Normal("y", b0 + X @ w + a[g], sigma, observed=y)
+    # Exact posterior of (b0, w, a).
+    A = np.column_stack([np.ones(n), X, np.eye(3)[g]])
+    prior_mean = np.r_[1.0, np.zeros(d), np.zeros(3)]
+    prior_prec = np.diag(np.r_[1 / 4.0, np.full(d, 1 / 2.25), np.full(3, 1 / 0.25)])
+    P = prior_prec + A.T @ A / sigma**2
+    m = np.linalg.solve(P, prior_prec @ prior_mean + A.T @ y / sigma**2)
+    logml = stats.multivariate_normal(
+        A @ prior_mean, A @ np.linalg.inv(prior_prec) @ A.T + sigma**2 * np.eye(n)
+    ).logpdf(y)
+    return model, m, P, logml
+
+
+@pytest.mark.parametrize("cls", [pymc_mcssvi.MCSSVI, pymc_mcssvi.HMCSSVI])
+def test_one_step_rho_one_is_exact_posterior(conjugate, cls):
+    model, m, P, logml = conjugate
+    with model:
+        inf = cls(schedule=1.0, start_sigma=3.0)
+        inf.fit(n=2, progressbar=False)  # iteration 1 evaluates q0, iteration 2 accepts the step
+    k = inf.kernel
+    mean = k.cand_mean[0].get_value() if k.t.get_value() < 2 else k.base_mean[0].get_value()
+    L = (k.cand_factor[0].get_value() if k.t.get_value() < 2 else k.base_factor[0].get_value())[0]
+    np.testing.assert_allclose(mean[0], m, rtol=0, atol=1e-8)
+    np.testing.assert_allclose(L @ L.T, P, rtol=1e-8, atol=1e-10 * np.abs(P).max())
+    # And the bound at the posterior is the log marginal likelihood.
+    np.testing.assert_allclose(-inf.hist[-1], logml, rtol=1e-9)
+
+
+def test_bound_at_posterior_is_log_marginal_likelihood(conjugate):
+    model, m, P, logml = conjugate
+    with model:
+        inf = pymc_mcssvi.MCSSVI()
+    k = inf.kernel
+    k.cand_mean[0].set_value(m[None])
+    k.cand_factor[0].set_value(np.linalg.cholesky(P)[None])
+    ev = inf.bound.evaluate(
+        [GaussianBlocks(k.cand_mean[0], k.cand_factor[0])], need_derivatives=False
+    )
+    np.testing.assert_allclose(pytensor.function([], ev.value)(), logml, rtol=1e-9)
+
+
+def test_sdsvi_factor_gradient_matches_finite_differences(rng):
+    """d/dC [E_q l + entropy] = triu(C H + diag(1/diag C)) for a quadratic l."""
+    K = 3
+    Hm = -np.eye(K) * 2 + 0.3
+    C0 = np.triu(rng.normal(size=(K, K))) + 2 * np.eye(K)
+
+    def objective(C):
+        S = C.T @ C
+        return 0.5 * np.trace(Hm @ S) + np.sum(np.log(np.abs(np.diag(C))))
+
+    got = factor_gradient(pt.as_tensor(C0[None]), pt.as_tensor(Hm[None])).eval()[0]
+    h = 1e-6
+    for i in range(K):
+        for j in range(i, K):
+            Cp, Cm = C0.copy(), C0.copy()
+            Cp[i, j] += h
+            Cm[i, j] -= h
+            np.testing.assert_allclose(
+                got[i, j], (objective(Cp) - objective(Cm)) / (2 * h), rtol=1e-6
+            )
+    assert np.all(np.tril(got, -1) == 0)
+
+
+@pytest.mark.parametrize("cls", [pymc_mcssvi.MCSSVI, pymc_mcssvi.HMCSSVI, pymc_mcssvi.SDSVI])
+def test_all_algorithms_reach_the_exact_posterior(conjugate, cls):
+    model, m, P, logml = conjugate
+    with model:
+        approx = cls().fit(n=None if cls is not pymc_mcssvi.SDSVI else 3000, progressbar=False)
+    S = np.linalg.inv(P)
+    np.testing.assert_allclose(approx.mean.eval(), m, atol=1e-3 * np.sqrt(np.diag(S)).max() * 10)
+    np.testing.assert_allclose(approx.std.eval(), np.sqrt(np.diag(S)), rtol=1e-2)
+    np.testing.assert_allclose(-approx.hist[-1], logml, rtol=1e-5)

@@ -1,0 +1,127 @@
+"""``g`` and ``H`` of the structured bound against finite differences.
+
+Bonnet's and Price's theorems: ``dE_q[l]/dm = g`` and ``dE_q[l]/dS = H / 2``
+(so a symmetric perturbation of ``S_ij`` and ``S_ji`` changes ``E`` by ``H_ij``).
+The expected log joint ``E`` is evaluated by the same bound (40-node quadrature,
+so that its own error is far below the finite-difference step).
+"""
+
+import numpy as np
+import pymc as pm
+import pytensor
+import pytest
+
+import pymc_mcssvi
+from pymc_mcssvi.families.gaussian import GaussianBlocks
+
+
+def _functions(inf):
+    k = inf.kernel
+    states = [GaussianBlocks(m, f) for m, f in zip(k.cand_mean, k.cand_factor, strict=True)]
+    ev = inf.bound.evaluate(states)
+    repl = k.hyper_replacements("cand")
+    outs = [ev.expected_loglik, *ev.grads, *ev.hessians]
+    if repl:
+        outs = pytensor.graph.replace.graph_replace(outs, repl, strict=False)
+    fn = pytensor.function([], outs)
+    return k, fn
+
+
+def _set(k, means, covs):
+    for s, (m, S) in enumerate(zip(means, covs, strict=True)):
+        k.cand_mean[s].set_value(m)
+        k.cand_factor[s].set_value(np.linalg.cholesky(np.linalg.inv(S)))
+
+
+def _check(inf, rng, h=1e-5, rtol=2e-5, atol=1e-6):
+    k, fn = _functions(inf)
+    nseg = k.nseg
+    means = [rng.normal(size=m.get_value().shape) * 0.3 for m in k.cand_mean]
+    covs = []
+    for f in k.cand_factor:
+        R, K, _ = f.get_value().shape
+        A = rng.normal(size=(R, K, K)) * 0.2
+        covs.append(A @ A.transpose(0, 2, 1) + 0.05 * np.eye(K))
+    _set(k, means, covs)
+    out = fn()
+    grads, hess = out[1 : 1 + nseg], out[1 + nseg :]
+
+    def E(ms, Ss):
+        _set(k, ms, Ss)
+        return fn()[0]
+
+    for s in range(nseg):
+        R, K = means[s].shape
+        for r in range(R):
+            for i in range(K):
+                mp = [m.copy() for m in means]
+                mm = [m.copy() for m in means]
+                mp[s][r, i] += h
+                mm[s][r, i] -= h
+                fd = (E(mp, covs) - E(mm, covs)) / (2 * h)
+                np.testing.assert_allclose(grads[s][r, i], fd, rtol=rtol, atol=atol)
+                for j in range(i, K):
+                    Sp = [S.copy() for S in covs]
+                    Sm = [S.copy() for S in covs]
+                    for S, sign in ((Sp, 1), (Sm, -1)):
+                        S[s][r, i, j] += sign * h
+                        if i != j:
+                            S[s][r, j, i] += sign * h
+                    fd = (E(means, Sp) - E(means, Sm)) / (2 * h)
+                    want = hess[s][r, i, j] * (1.0 if i != j else 0.5)
+                    np.testing.assert_allclose(want, fd, rtol=rtol, atol=atol)
+
+
+def test_dense_glm(rng):
+    X = rng.normal(size=(60, 3))
+    y = rng.integers(0, 2, 60)
+    with pm.Model():
+        b = pm.Normal("b", 0, 2)
+        w = pm.Normal("w", 0, 1, shape=3)
+        pm.Bernoulli("y", logit_p=b + X @ w, observed=y)
+        inf = pymc_mcssvi.MCSSVI(n_points=40)
+    _check(inf, rng)
+
+
+@pytest.mark.parametrize("cov", ["block", "diag", "full"])
+def test_gathered_random_effects(rng, cov):
+    n, G = 80, 5
+    g = rng.integers(0, G, n)
+    x = rng.normal(size=n)
+    y = rng.poisson(2.0, n)
+    with pm.Model():
+        b = pm.Normal("b", 0, 1, shape=2)
+        a = pm.Normal("a", 0, 1, shape=(G, 2))
+        eta = b[0] + b[1] * x + a[g, 0] + a[g, 1] * x
+        pm.Poisson("y", pm.math.exp(eta), observed=y)
+        inf = pymc_mcssvi.MCSSVI(n_points=40, cov={"a": cov})
+    assert inf.tlm.segments[-1].kind == cov or cov == "full"
+    _check(inf, rng)
+
+
+def test_nonlinear_general_path_gradient_and_hessian(rng):
+    """General estimator: g is the exact gradient of its (fixed-draw) objective, H = dg/dm."""
+    t = np.linspace(0, 4, 30)
+    y = 2.0 * np.exp(-0.7 * t) + rng.normal(0, 0.1, t.size)
+    with pm.Model():
+        a = pm.Normal("a", 1, 1)
+        b = pm.Normal("b", 0.5, 0.5)
+        pm.Normal("y", a * pm.math.exp(-b * t), 0.1, observed=y)
+        inf = pymc_mcssvi.MCSSVI(n_draws=16)
+    assert inf.tlm.observed["y"] == "general"
+    k, fn = _functions(inf)
+    m0 = np.array([[1.5, 0.6]])
+    S0 = np.array([[[0.02, 0.003], [0.003, 0.01]]])
+    _set(k, [m0], [S0])
+    _, g, H = fn()
+    h = 1e-6
+    for i in range(2):
+        mp, mm = m0.copy(), m0.copy()
+        mp[0, i] += h
+        mm[0, i] -= h
+        _set(k, [mp], [S0])
+        Ep, gp, _ = fn()
+        _set(k, [mm], [S0])
+        Em, gm, _ = fn()
+        np.testing.assert_allclose(g[0, i], (Ep - Em) / (2 * h), rtol=1e-6)
+        np.testing.assert_allclose(H[0, :, i], (gp - gm)[0] / (2 * h), rtol=1e-5, atol=1e-6)

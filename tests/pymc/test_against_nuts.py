@@ -1,0 +1,126 @@
+"""Posterior means and standard deviations against NUTS on small models.
+
+Targets (issue 2): means within 0.1 NUTS-sd and standard deviations within 10%
+for logistic and Poisson regressions, for all three algorithms.
+"""
+
+import numpy as np
+import pymc as pm
+import pytest
+
+import pymc_mcssvi
+from tests.conftest import nuts_draws
+
+ALGORITHMS = ["mcssvi", "hmcssvi", "sdsvi"]
+
+
+def _flat(idata, names):
+    post = idata.posterior
+    return np.concatenate(
+        [post[n].values.reshape(post.sizes["chain"] * post.sizes["draw"], -1) for n in names],
+        axis=1,
+    )
+
+
+def _compare(model, key, names, method, mean_tol=0.1, sd_tol=0.10, **fit_kw):
+    ref = _flat(nuts_draws(model, key), names)
+    with model:
+        approx = pm.fit(method=method, random_seed=2, progressbar=False, **fit_kw)
+    draws = _flat(approx.sample(4000, random_seed=3), names)
+    ref_mean, ref_sd = ref.mean(0), ref.std(0)
+    z = np.abs(draws.mean(0) - ref_mean) / ref_sd
+    ratio = draws.std(0) / ref_sd
+    assert z.max() < mean_tol, f"{method}: mean errors (NUTS sd units) {np.round(z, 3)}"
+    assert np.all(np.abs(ratio - 1) < sd_tol), f"{method}: sd ratios {np.round(ratio, 3)}"
+    return approx
+
+
+@pytest.fixture(scope="module")
+def logistic():
+    rng = np.random.default_rng(11)
+    X = rng.normal(size=(300, 3))
+    X[:, 1] = 0.6 * X[:, 0] + 0.8 * X[:, 1]
+    y = rng.binomial(1, 1 / (1 + np.exp(-(0.5 + X @ np.array([1.0, -0.7, 0.3])))))
+    with pm.Model() as model:
+        b0 = pm.Normal("b0", 0, 2)
+        w = pm.Normal("w", 0, 1, shape=3)
+        pm.Bernoulli("y", logit_p=b0 + X @ w, observed=y)
+    return model
+
+
+@pytest.fixture(scope="module")
+def poisson():
+    rng = np.random.default_rng(12)
+    X = rng.normal(size=(250, 2))
+    y = rng.poisson(np.exp(0.3 + X @ np.array([0.4, -0.5])))
+    with pm.Model() as model:
+        b0 = pm.Normal("b0", 0, 2)
+        w = pm.Normal("w", 0, 1, shape=2)
+        pm.Poisson("y", mu=pm.math.exp(b0 + pm.math.dot(X, w)), observed=y)
+    return model
+
+
+@pytest.mark.parametrize("method", ALGORITHMS)
+def test_logistic_regression(logistic, method):
+    _compare(logistic, "logistic", ["b0", "w"], method)
+
+
+@pytest.mark.parametrize("method", ALGORITHMS)
+def test_poisson_regression(poisson, method):
+    _compare(poisson, "poisson", ["b0", "w"], method)
+
+
+def test_nonlinear_fallback_exponential_decay():
+    rng = np.random.default_rng(13)
+    t = np.linspace(0, 5, 40)
+    y = 2.0 * np.exp(-0.6 * t) + rng.normal(0, 0.08, t.size)
+    with pm.Model() as model:
+        a = pm.Normal("a", 1.0, 1.0)
+        b = pm.Normal("b", 0.5, 0.5)
+        pm.Normal("y", mu=a * pm.math.exp(-b * t), sigma=0.08, observed=y)
+    approx = _compare(model, "expdecay", ["a", "b"], "hmcssvi")
+    assert pymc_mcssvi.recognize(model).observed["y"] == "general"
+    assert approx.converged
+
+
+LIKELIHOODS = {
+    "studentt": lambda eta, y: pm.StudentT("y", nu=4, mu=eta, sigma=0.8, observed=y),
+    "probit": lambda eta, y: pm.Bernoulli("y", p=pm.math.invprobit(eta), observed=y),
+    "binomial": lambda eta, y: pm.Binomial("y", n=8, logit_p=eta, observed=y),
+    "negbinomial": lambda eta, y: pm.NegativeBinomial(
+        "y", mu=pm.math.exp(eta), alpha=3.0, observed=y
+    ),
+    "gamma": lambda eta, y: pm.Gamma(
+        "y", mu=pm.math.exp(eta), sigma=0.5 * pm.math.exp(eta), observed=y
+    ),
+}
+
+
+def _simulate(name, eta, rng):
+    if name == "studentt":
+        return eta + 0.8 * rng.standard_t(4, eta.size)
+    if name == "probit":
+        from scipy.stats import norm
+
+        return rng.binomial(1, norm.cdf(eta))
+    if name == "binomial":
+        return rng.binomial(8, 1 / (1 + np.exp(-eta)))
+    if name == "negbinomial":
+        mu = np.exp(eta)
+        return rng.negative_binomial(3.0, 3.0 / (3.0 + mu))
+    mu = np.exp(eta)
+    return rng.gamma(4.0, mu / 4.0)
+
+
+@pytest.mark.parametrize("name", list(LIKELIHOODS))
+def test_other_likelihoods(name):
+    rng = np.random.default_rng(14)
+    X = rng.normal(size=(200, 2))
+    eta = 0.2 + X @ np.array([0.5, -0.4])
+    y = _simulate(name, eta, rng)
+    with pm.Model() as model:
+        b0 = pm.Normal("b0", 0, 2)
+        w = pm.Normal("w", 0, 1, shape=2)
+        LIKELIHOODS[name](b0 + X @ w, y)
+    assert pymc_mcssvi.recognize(model).observed["y"] == "dense affine"
+    _compare(model, name, ["b0", "w"], "hmcssvi", mean_tol=0.15, sd_tol=0.15)

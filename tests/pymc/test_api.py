@@ -1,0 +1,156 @@
+"""The PyMC-facing API: pm.fit registration, Approximation views, sampling, callbacks, seeds."""
+
+import numpy as np
+import pymc as pm
+import pytest
+from pymc.variational.callbacks import CheckParametersConvergence
+
+from pymc_mcssvi import HMCSSVI, MCSSVI, SDSVI, StructuredApproximation
+
+
+@pytest.fixture(scope="module")
+def data():
+    rng = np.random.default_rng(5)
+    X = rng.normal(size=(150, 2))
+    y = rng.normal(0.5 + X @ np.array([1.0, -0.5]), 0.8)
+    return X, y
+
+
+def linreg(X, y, coords=True):
+    with pm.Model(
+        coords={"feature": ["x1", "x2"], "obs": np.arange(len(y))} if coords else None
+    ) as model:
+        Xd = pm.Data("X", X, dims=("obs", "feature") if coords else None)
+        b0 = pm.Normal("b0", 0, 5)
+        w = pm.Normal("w", 0, 1, dims="feature" if coords else None, shape=None if coords else 2)
+        sigma = pm.HalfNormal("sigma", 2)
+        mu = pm.Deterministic("mu", b0 + Xd @ w, dims="obs" if coords else None)
+        pm.Normal("y", mu, sigma, observed=y, dims="obs" if coords else None)
+    return model
+
+
+@pytest.mark.parametrize("method", ["mcssvi", "hmcssvi", "sdsvi", "MCSSVI"])
+def test_pm_fit_accepts_method_names(data, method):
+    with linreg(*data):
+        approx = pm.fit(method=method, progressbar=False, n=5)
+    assert isinstance(approx, StructuredApproximation)
+    assert len(approx.hist) == 5
+
+
+@pytest.mark.parametrize("cls", [MCSSVI, HMCSSVI, SDSVI])
+def test_pm_fit_accepts_instances(data, cls):
+    with linreg(*data):
+        approx = pm.fit(method=cls(), progressbar=False)
+    assert approx.converged is True
+    assert 3 < approx.n_iter < 1000
+
+
+def test_other_methods_still_work(data):
+    with linreg(*data):
+        approx = pm.fit(n=50, method="advi", progressbar=False)
+    assert len(approx.hist) == 50
+
+
+def test_default_stops_at_convergence_and_hist_is_negative_elbo(data):
+    with linreg(*data):
+        approx = pm.fit(method="hmcssvi", progressbar=False)
+    assert approx.converged and approx.n_iter < 300
+    assert approx.hist.shape == (approx.n_iter,)
+    assert np.all(
+        np.diff(approx.hist) <= 1e-6 * np.abs(approx.hist[1:])
+    )  # monotone: full batch, adaptive
+
+
+def test_sample_returns_constrained_draws_with_dims(data):
+    with linreg(*data) as model:
+        approx = pm.fit(method="mcssvi", progressbar=False, random_seed=1)
+        idata = approx.sample(300, random_seed=2)
+        ppc = pm.sample_posterior_predictive(idata, progressbar=False, random_seed=3)
+    post = idata.posterior
+    assert post["w"].dims == ("chain", "draw", "feature")
+    assert list(post["feature"].values) == ["x1", "x2"]
+    assert post["mu"].dims == ("chain", "draw", "obs")
+    assert (post["sigma"] > 0).all()
+    np.testing.assert_allclose(post["sigma"].std(), 0.0, atol=1e-12)  # point estimate
+    assert "sigma" in post.attrs["point_estimates"]
+    assert ppc.posterior_predictive["y"].shape == (1, 300, len(data[1]))
+    # Draws agree with the approximation's own views.
+    np.testing.assert_allclose(post["w"].mean(("chain", "draw")), approx.mean_data["w"], atol=0.05)
+    assert set(model.named_vars) >= {"w", "b0", "sigma"}
+
+
+def test_mean_std_cov_views(data):
+    with linreg(*data):
+        approx = pm.fit(method="mcssvi", progressbar=False)
+    mean, std, cov = approx.mean.eval(), approx.std.eval(), approx.cov.eval()
+    order = approx.ordering
+    assert set(order) == {"b0", "w", "sigma_log__"}
+    np.testing.assert_allclose(np.sqrt(np.diag(cov)), std, rtol=1e-10)
+    s = order["sigma_log__"][1]
+    assert std[s] == 0.0
+    np.testing.assert_allclose(np.exp(mean[s]), approx.sample(10).posterior["sigma"].values[0, 0])
+
+
+def test_sample_node_and_callbacks(data):
+    calls = []
+
+    def cb(approx, losses, i):
+        calls.append(i)
+        if i == 7:
+            raise StopIteration("enough")
+
+    with linreg(*data, coords=False) as model:
+        approx = pm.fit(
+            method="hmcssvi", progressbar=False, callbacks=[cb, CheckParametersConvergence()]
+        )
+        w = model["w"]
+        draws = approx.sample_node(w, size=500).eval()
+    assert calls == list(range(1, 8))
+    assert approx.n_iter == 7
+    assert draws.shape == (500, 2)
+
+
+def test_same_seed_is_bit_identical(data):
+    X, y = data
+    Xm, ym = pm.Minibatch(X, y, batch_size=32)
+    out = []
+    for _ in range(2):
+        with pm.Model():
+            w = pm.Normal("w", 0, 1, shape=2)
+            pm.Normal("y", Xm @ w, 0.8, observed=ym, total_size=len(y))
+            approx = pm.fit(
+                n=30,
+                method="hmcssvi",
+                random_seed=123,
+                progressbar=False,
+                inf_kwargs={"estimator": "mc"},
+            )
+            out.append(
+                (
+                    approx.hist.copy(),
+                    approx.mean.eval(),
+                    approx.sample(5, random_seed=1).posterior["w"].values,
+                )
+            )
+    for a, b in zip(out[0], out[1], strict=True):
+        np.testing.assert_array_equal(a, b)
+    with pm.Model():
+        w = pm.Normal("w", 0, 1, shape=2)
+        pm.Normal("y", Xm @ w, 0.8, observed=ym, total_size=len(y))
+        other = pm.fit(n=30, method="hmcssvi", random_seed=124, progressbar=False)
+    assert not np.array_equal(other.hist, out[0][0])
+
+
+def test_start_values_are_used(data):
+    with linreg(*data, coords=False):
+        inf = MCSSVI(start={"w": np.array([3.0, -3.0]), "sigma": 2.0})
+    np.testing.assert_allclose(inf.approx.mean_data["w"], [3.0, -3.0])
+    np.testing.assert_allclose(inf.approx.mean_data["sigma_log__"], np.log(2.0))
+
+
+def test_refine_continues(data):
+    with linreg(*data):
+        inf = HMCSSVI()
+        inf.fit(n=3, progressbar=False)
+        approx = inf.refine(4, progressbar=False)
+    assert len(approx.hist) == 7

@@ -1,0 +1,130 @@
+"""Bad models and bad data fail loudly, with the variable named and a remedy."""
+
+import numpy as np
+import pymc as pm
+import pytest
+
+import pymc_mcssvi
+from pymc_mcssvi import DivergenceError, UnsupportedModelError
+
+
+def test_no_gaussian_global():
+    with pm.Model():
+        lam = pm.Gamma("lam", 2, 1)
+        pm.Poisson("y", lam, observed=[1, 2, 3])
+        with pytest.raises(UnsupportedModelError, match="'lam'.*no Gaussian"):
+            pm.fit(method="hmcssvi")
+
+
+def test_nan_in_predictor_data():
+    X = np.ones((3, 2))
+    X[1, 0] = np.nan
+    with pm.Model():
+        w = pm.Normal("w", 0, 1, shape=2)
+        pm.Normal("y", pm.math.dot(X, w), 1.0, observed=np.zeros(3))
+        with pytest.raises(UnsupportedModelError, match="'y'.*data.*NaN"):
+            pm.fit(method="mcssvi")
+
+
+def test_infinite_observed_data():
+    with pm.Model():
+        w = pm.Normal("w", 0, 1)
+        pm.Normal("y", w, 1.0, observed=np.array([0.0, np.inf]))
+        with pytest.raises(UnsupportedModelError, match="'y'.*observed data.*infinite"):
+            pm.fit(method="mcssvi")
+
+
+def test_missing_values_imputed_by_pymc():
+    with pm.Model():
+        w = pm.Normal("w", 0, 1)
+        with pytest.warns(Warning):
+            pm.Normal("y", w, 1.0, observed=np.array([1.0, np.nan, 2.0]))
+        with pytest.raises(UnsupportedModelError, match="'y'.*missing values"):
+            pm.fit(method="mcssvi")
+
+
+def test_multivariate_observed():
+    with pm.Model():
+        mu = pm.Normal("mu", 0, 1, shape=2)
+        pm.MvNormal("y", mu, cov=np.eye(2), observed=np.zeros((5, 2)))
+        with pytest.raises(UnsupportedModelError, match="'y'.*multivariate"):
+            pm.fit(method="mcssvi")
+
+
+def test_discrete_free_variable():
+    with pm.Model():
+        k = pm.Poisson("k", 3.0)
+        w = pm.Normal("w", 0, 1)
+        pm.Normal("y", w * k, 1.0, observed=[1.0, 2.0])
+        with pytest.raises(UnsupportedModelError, match="'k'.*discrete"):
+            pm.fit(method="mcssvi")
+
+
+@pytest.mark.parametrize("n", [0, -3, 2.5])
+def test_bad_iteration_count(n):
+    with pm.Model():
+        w = pm.Normal("w", 0, 1)
+        pm.Normal("y", w, 1.0, observed=[0.1, 0.2])
+        with pytest.raises(ValueError, match="n must be a positive integer"):
+            pm.fit(n=n, method="mcssvi", progressbar=False)
+
+
+def test_unknown_fit_argument():
+    with pm.Model():
+        w = pm.Normal("w", 0, 1)
+        pm.Normal("y", w, 1.0, observed=[0.1, 0.2])
+        with pytest.raises(TypeError, match="obj_n_mc"):
+            pm.fit(n=3, method="mcssvi", obj_n_mc=10, progressbar=False)
+
+
+def test_bound_not_finite_at_start_raises_divergence():
+    """Identity-link Poisson: the rate is negative at the starting q, log p = -inf / NaN."""
+    X = np.abs(np.random.default_rng(0).normal(size=(20, 2)))
+    with pm.Model():
+        w = pm.Normal("w", -5, 1, shape=2)
+        pm.Poisson("y", mu=X @ w, observed=np.ones(20, dtype=int))
+        with pytest.raises(DivergenceError, match="not finite at the starting point") as err:
+            pm.fit(method="mcssvi", progressbar=False)
+    assert err.value.approx is not None
+
+
+def test_divergence_keeps_last_good_state():
+    """A likelihood that becomes undefined mid-fit: the approximation holds the last finite state."""
+    rng = np.random.default_rng(1)
+    x = rng.uniform(0.5, 1.5, 40)
+    with pm.Model():
+        w = pm.Normal("w", 1.0, 0.1)
+        # Poisson rate w * x is positive near the start but the data pull w towards 0 and below.
+        pm.Poisson("y", mu=w * x, observed=np.zeros(40, dtype=int))
+        inf = pymc_mcssvi.MCSSVI(schedule=1.0)
+        try:
+            approx = inf.fit(n=200, progressbar=False)
+        except DivergenceError as e:
+            approx = e.approx
+    assert np.all(np.isfinite(approx.hist))
+    assert np.all(np.isfinite(approx.mean.eval()))
+
+
+def test_bad_cov_and_schedule_arguments():
+    with pm.Model():
+        w = pm.Normal("w", 0, 1, shape=2)
+        pm.Normal("y", w.sum(), 1.0, observed=[0.1])
+        with pytest.raises(UnsupportedModelError, match="'v'"):
+            pymc_mcssvi.MCSSVI(cov={"v": "diag"})
+        with pytest.raises(ValueError, match="cov must be one of"):
+            pymc_mcssvi.MCSSVI(cov="dense")
+        with pytest.raises(ValueError, match="schedule must be one of"):
+            pymc_mcssvi.MCSSVI(schedule="cosine")
+        with pytest.raises(ValueError, match="start_sigma"):
+            pymc_mcssvi.MCSSVI(start_sigma=-1)
+
+
+def test_minibatch_without_total_size_warns():
+    X = np.random.default_rng(0).normal(size=(100, 2))
+    y = X[:, 0]
+    Xm, ym = pm.Minibatch(X, y, batch_size=10)
+    with pm.Model():
+        w = pm.Normal("w", 0, 1, shape=2)
+        pm.Normal("y", Xm @ w, 1.0, observed=ym)
+        with pytest.warns(UserWarning, match="'y'.*total_size"):
+            pymc_mcssvi.MCSSVI()

@@ -11,10 +11,12 @@ with :func:`pymc.fit`::
     idata = approx.sample(1000)
 """
 
+from pymc_mcssvi.distributions import Rayleigh
 from pymc_mcssvi.exceptions import DivergenceError, UnsupportedModelError
 from pymc_mcssvi.pymc.approximation import StructuredApproximation
 from pymc_mcssvi.pymc.inference import HMCSSVI, MCSSVI, SDSVI, StructuredVI
 from pymc_mcssvi.pymc.registration import register as _register
+from pymc_mcssvi.recognize.describe import ModelDescription, describe
 from pymc_mcssvi.recognize.model import recognize
 
 __all__ = [
@@ -22,9 +24,12 @@ __all__ = [
     "MCSSVI",
     "SDSVI",
     "DivergenceError",
+    "ModelDescription",
+    "Rayleigh",
     "StructuredApproximation",
     "StructuredVI",
     "UnsupportedModelError",
+    "describe",
     "recognize",
 ]
 

@@ -110,5 +110,6 @@ def observed_data(model, obs) -> np.ndarray | None:
 
 
 def as_float(x):
+    """``x`` as float64 (PyTensor stores constants such as 2.0 as float32)."""
     x = pt.as_tensor(x)
-    return x if x.dtype.startswith("float") else pt.cast(x, "float64")
+    return x if x.dtype == "float64" else pt.cast(x, "float64")

@@ -31,7 +31,9 @@ __all__ = [
     "GaussianGlobal",
     "GeneralTerm",
     "Hyperparameter",
+    "LocalLatent",
     "PredictorTerm",
+    "RayleighGlobal",
     "Segment",
     "TwoLevelModel",
 ]
@@ -64,6 +66,48 @@ class GaussianGlobal:
     @property
     def size(self) -> int:
         return int(np.prod(self.shape, dtype=int))
+
+
+@dataclass
+class RayleighGlobal:
+    """A free RV with a Rayleigh prior (``pymc_mcssvi.Rayleigh`` or ``pm.Weibull(alpha=2)``).
+
+    Attributes
+    ----------
+    prior_scale : TensorVariable
+        The prior scale ``tau`` as a graph of value variables (hyperparameters).
+    """
+
+    name: str
+    rv: Variable
+    value: Variable
+    shape: tuple[int, ...]
+    prior_scale: Variable
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=int))
+
+
+@dataclass
+class LocalLatent:
+    """A latent with one entry per observation of one observed variable.
+
+    Attributes
+    ----------
+    kind : {"gaussian", "discrete"}
+        Marginalized by quadrature (or exactly) / by enumeration of ``support`` values.
+    observed : str
+        The observed variable that uses it elementwise.
+    """
+
+    name: str
+    rv: Variable
+    value: Variable
+    shape: tuple[int, ...]
+    kind: str
+    observed: str
+    support: int | None = None
 
 
 @dataclass
@@ -174,6 +218,10 @@ class TwoLevelModel:
     constant_terms: list[ConstantTerm]
     observed: dict[str, str] = field(default_factory=dict)
     minibatch: bool = False
+    rayleighs: list[RayleighGlobal] = field(default_factory=list)
+    locals: list[LocalLatent] = field(default_factory=list)
+    scaling: dict[str, str] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
 
     @property
     def gaussian_values(self) -> list[Variable]:

@@ -24,6 +24,7 @@ def resolve_structure(
     gaussians: list[GaussianGlobal],
     cov: str | dict | None,
     joint_blocks: list[list[int]] | None = None,
+    row_blocks: set[int] | None = None,
 ) -> dict[int, str]:
     """Choose ``"full"``, ``"block"`` or ``"diag"`` for every Gaussian global.
 
@@ -36,6 +37,9 @@ def resolve_structure(
     joint_blocks : list of list of int, optional
         Groups of globals that the recognizer found indexed by the same
         grouping factor; the automatic choice puts them in one block segment.
+    row_blocks : set of int, optional
+        Globals read through a bilinear predictor (matrix factorization): the
+        automatic choice is one block per row (the paper's factorized q).
 
     Returns
     -------
@@ -65,6 +69,8 @@ def resolve_structure(
     out = {}
     for i, g in enumerate(gaussians):
         kind = per_var.get(i, default)
+        if kind == "auto" and row_blocks and i in row_blocks and len(g.shape) >= 2:
+            kind = "block"
         if kind == "auto":
             if total <= MAX_FULL_DIM or g.size <= 64:
                 kind = "full"

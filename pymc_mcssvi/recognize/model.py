@@ -1,19 +1,11 @@
 """Recognize a two-level latent variable model in an ordinary PyMC model.
 
-Roles (ARCHITECTURE.md §1, §6):
-
-* **Gaussian globals** -- free ``pm.Normal`` / ``pm.MvNormal`` variables (no
-  transform) whose prior location is affine in other Gaussian globals and whose
-  prior scale involves none of them. Together their prior is one Gaussian.
-* **hyperparameters** -- every other continuous free variable (scales, shapes,
-  cutpoints, correlation matrices ...).
-* **likelihood terms** -- each observed variable, classified by how its log
-  density depends on the Gaussian globals: through one affine predictor
-  (predictor-space estimators), some other way (Monte Carlo + autodiff), or not
-  at all.
-
-Everything the engine cannot handle raises :class:`UnsupportedModelError`
-before any compilation.
+:func:`recognize` assigns roles (:mod:`pymc_mcssvi.recognize.roles`), writes the
+Gaussian prior of the globals as whitened affine residuals, classifies every
+observed variable by how it depends on the globals
+(:mod:`pymc_mcssvi.recognize.likelihood`) and chooses the covariance layout of q
+(:mod:`pymc_mcssvi.recognize.layout`). Everything the engine cannot handle
+raises :class:`~pymc_mcssvi.UnsupportedModelError` before any compilation.
 """
 
 from __future__ import annotations
@@ -24,51 +16,35 @@ import numpy as np
 import pymc as pm
 import pytensor.tensor as pt
 from pymc.data import MinibatchOp
-from pymc.distributions.multivariate import MvNormalRV
 from pymc.variational.minibatch_rv import MinibatchRandomVariable
-from pytensor.graph.basic import Constant, Variable
+from pytensor.graph.basic import Constant
 from pytensor.graph.replace import graph_replace
 from pytensor.graph.traversal import ancestors
-from pytensor.tensor.random.basic import NormalRV
 from pytensor.tensor.sharedvar import TensorSharedVariable
 
 from pymc_mcssvi.exceptions import UnsupportedModelError
-from pymc_mcssvi.recognize.affine import LinearTerm, _Linearizer, linearize
-from pymc_mcssvi.recognize.graph import (
-    as_float,
-    depends_on_any,
-    is_separable,
-    remove_checks,
-)
+from pymc_mcssvi.recognize.affine import linearize
+from pymc_mcssvi.recognize.graph import as_float, depends_on_any, remove_checks
 from pymc_mcssvi.recognize.ir import (
     ConstantTerm,
     GaussianGlobal,
     GeneralTerm,
-    Hyperparameter,
     PredictorTerm,
     TwoLevelModel,
 )
 from pymc_mcssvi.recognize.layout import build_segments, resolve_structure
-from pymc_mcssvi.recognize.stabilize import stable_logp
+from pymc_mcssvi.recognize.likelihood import (
+    find_bilinear,
+    flatten_terms,
+    form_name,
+    likelihood_term,
+)
+from pymc_mcssvi.recognize.roles import assign_roles, base_op, dist_params
 
-__all__ = ["recognize"]
+__all__ = ["MAX_GENERAL_DIM", "recognize"]
 
 #: Largest Gaussian dimension the Monte Carlo + autodiff path accepts (it forms D x D Hessians).
 MAX_GENERAL_DIM = 2000
-
-
-def _base_op(rv):
-    """The distribution op of a variable, looking through ``MinibatchRandomVariable``."""
-    op = rv.owner.op
-    if isinstance(op, MinibatchRandomVariable):
-        inner = rv.owner.inputs[0]
-        return inner.owner.op, inner
-    return op, rv
-
-
-def _dist_params(rv):
-    op, base = _base_op(rv)
-    return list(op.dist_params(base.owner))
 
 
 def recognize(model: pm.Model | None = None, cov: str | dict | None = None) -> TwoLevelModel:
@@ -107,27 +83,32 @@ def recognize(model: pm.Model | None = None, cov: str | dict | None = None) -> T
     for obs in model.observed_RVs:
         _check_observed_data(model, obs)
 
-    gaussians, hypers = _assign_roles(model)
+    roles = assign_roles(model)
+    gaussians = roles.gaussians
     gvalues = {g.value: i for i, g in enumerate(gaussians)}
     gshapes = {g.value: g.shape for g in gaussians}
+    local_of = {lc.observed: lc for lc in roles.locals}
 
     predictor_terms: list[PredictorTerm] = []
     general_terms: list[GeneralTerm] = []
     constant_terms: list[ConstantTerm] = []
-    observed_forms: dict[str, str] = {}
+    forms: dict[str, str] = {}
+    scaling: dict[str, str] = {}
+    notes: list[str] = []
 
     for g in gaussians:
         term, const = _prior_term(model, g, gvalues, gshapes)
         predictor_terms.append(term)
         constant_terms.append(const)
-
-    for h in hypers:
+    for h in [*roles.hypers, *roles.rayleighs]:
         lp = model.logp(vars=[h.rv], jacobian=True, sum=True)
         constant_terms.append(ConstantTerm(f"prior of {h.name}", remove_checks(lp)))
 
     minibatch = False
+    bilinear_sources: set[int] = set()
     for obs in model.observed_RVs:
-        op, _ = _base_op(obs)
+        op, _ = base_op(obs)
+        scaling[obs.name] = _scaling(model, obs)
         if isinstance(obs.owner.op, MinibatchRandomVariable):
             minibatch = True
         elif _uses_minibatch(model, obs):
@@ -144,29 +125,42 @@ def recognize(model: pm.Model | None = None, cov: str | dict | None = None) -> T
                 obs.name,
                 f"its likelihood ({type(op).__name__}) is multivariate, so its log density is not "
                 "elementwise in a predictor",
-                "write it with univariate observed variables (one per column), or fit it with pm.fit(method='fullrank_advi')",
+                "write it with univariate observed variables (one per column), or fit it with "
+                "pm.fit(method='fullrank_advi')",
             )
         logp = remove_checks(model.logp(vars=[obs], sum=False)[0])
+        if obs.name in local_of:
+            lc = local_of[obs.name]
+            forms[obs.name] = _local_form(model, lc, gvalues, gshapes)
+            continue
         if not depends_on_any(logp, gvalues):
             constant_terms.append(ConstantTerm(obs.name, logp))
-            observed_forms[obs.name] = "constant (no Gaussian global)"
+            forms[obs.name] = "constant (no Gaussian global)"
             continue
-        term = _likelihood_term(obs.name, logp, gvalues, gshapes)
-        if term is None:
-            general_terms.append(
-                GeneralTerm(obs.name, logp, "not a function of one affine predictor")
-            )
-            observed_forms[obs.name] = "general"
-        else:
+        term = likelihood_term(obs.name, logp, gvalues, gshapes)
+        if term is not None:
             predictor_terms.append(term)
-            observed_forms[obs.name] = _form_name(term)
+            forms[obs.name] = form_name(term)
+            continue
+        bil = find_bilinear(logp, gvalues, gshapes)
+        forms[obs.name] = "bilinear" if bil is not None else "general"
+        if bil is not None:
+            bilinear_sources.update(bil[1].sources | bil[2].sources)
+        general_terms.append(GeneralTerm(obs.name, logp, forms[obs.name]))
 
     for pot in model.potentials:
         lp = remove_checks(model.replace_rvs_by_values([pot])[0])
+        name = pot.name or "potential"
         if depends_on_any(lp, gvalues):
-            general_terms.append(GeneralTerm(pot.name or "potential", lp, "pm.Potential"))
+            general_terms.append(GeneralTerm(name, lp, "pm.Potential"))
+            notes.append(
+                f"pm.Potential {name!r} depends on the Gaussian globals: included by Monte Carlo + autodiff."
+            )
         else:
-            constant_terms.append(ConstantTerm(pot.name or "potential", lp))
+            constant_terms.append(ConstantTerm(name, lp))
+            notes.append(
+                f"pm.Potential {name!r} does not involve the Gaussian globals: added to the bound as is."
+            )
 
     dim = sum(g.size for g in gaussians)
     if general_terms and dim > MAX_GENERAL_DIM:
@@ -179,18 +173,22 @@ def recognize(model: pm.Model | None = None, cov: str | dict | None = None) -> T
         )
 
     joint = _joint_blocks(predictor_terms, gaussians)
-    structure = resolve_structure(gaussians, cov, joint)
+    structure = resolve_structure(gaussians, cov, joint, row_blocks=bilinear_sources)
     segments = build_segments(gaussians, structure, joint)
     return TwoLevelModel(
         model=model,
         gaussians=gaussians,
         segments=segments,
-        hypers=hypers,
+        hypers=roles.hypers,
         predictor_terms=predictor_terms,
         general_terms=general_terms,
         constant_terms=constant_terms,
-        observed=observed_forms,
+        observed=forms,
         minibatch=minibatch,
+        rayleighs=roles.rayleighs,
+        locals=roles.locals,
+        scaling=scaling,
+        notes=notes,
     )
 
 
@@ -243,91 +241,26 @@ def _uses_minibatch(model, obs) -> bool:
     )
 
 
-# ------------------------------------------------------------------------- roles
-def _gaussian_kind(model, rv) -> str | None:
-    op = rv.owner.op
-    if model.rvs_to_transforms.get(rv) is not None:
-        return None
-    if isinstance(op, MvNormalRV):
-        return "mvnormal"
-    if isinstance(op, NormalRV):
-        return "normal"
-    return None
-
-
-def _assign_roles(model):
-    """Split free RVs into Gaussian globals and hyperparameters (iterative demotion)."""
-    free = list(model.free_RVs)
-    discrete = [rv for rv in free if rv.type.dtype.startswith(("int", "uint", "bool"))]
-    if discrete:
-        rv = discrete[0]
-        raise UnsupportedModelError(
-            rv.name,
-            "it is a discrete free variable that is not a marginalizable local of an observed variable",
-            "marginalize it in the model (e.g. pm.Mixture, pm.ZeroInflatedPoisson) or use pm.sample",
-        )
-    values = {rv: model.rvs_to_values[rv] for rv in free}
-    ip = model.initial_point()
-    vshape = {rv: tuple(np.shape(ip[values[rv].name])) for rv in free}
-    params = {rv: model.replace_rvs_by_values(_dist_params(rv)) for rv in free}
-    cand = {rv: kind for rv in free if (kind := _gaussian_kind(model, rv))}
-    shapes = {values[rv]: vshape[rv] for rv in cand}
-    reasons: dict = {}
-    changed = True
-    while changed:
-        changed = False
-        cvals = {values[rv] for rv in cand}
-        for rv in free:
-            ps = params[rv]
-            if rv in cand:
-                loc, scales = ps[0], ps[1:]
-                others = cvals - {values[rv]}
-                for s in scales:
-                    for c in list(cand):
-                        if values[c] in others and depends_on_any(s, [values[c]]):
-                            reasons[c] = f"sets the scale of {rv.name!r}"
-                            del cand[c]
-                            changed = True
-                if (
-                    depends_on_any(loc, others)
-                    and linearize(loc, {v: 0 for v in others}, shapes) is None
-                ):
-                    for c in list(cand):
-                        if values[c] in others and depends_on_any(loc, [values[c]]):
-                            reasons[c] = f"enters the mean of {rv.name!r} non-linearly"
-                            del cand[c]
-                            changed = True
-            else:
-                for p in ps:
-                    for c in list(cand):
-                        if depends_on_any(p, [values[c]]):
-                            reasons[c] = f"is a parameter of the prior of {rv.name!r}"
-                            del cand[c]
-                            changed = True
-            if changed:
-                break
-    gaussians, hypers = [], []
-    for rv in free:
-        shape = vshape[rv]
-        if rv in cand:
-            gaussians.append(GaussianGlobal(rv.name, rv, values[rv], shape, cand[rv]))
-        else:
-            reason = reasons.get(rv, "not a Normal/MvNormal prior")
-            hypers.append(Hyperparameter(rv.name, rv, values[rv], shape, reason))
-    if not gaussians:
-        names = ", ".join(rv.name for rv in free) or "(none)"
-        raise UnsupportedModelError(
-            names,
-            "the model has no Gaussian (pm.Normal / pm.MvNormal) global variable for the structured q",
-            "give the regression coefficients Normal priors, or use pm.fit(method='advi') for this model",
-        )
-    return gaussians, hypers
+def _scaling(model, obs) -> str:
+    if not isinstance(obs.owner.op, MinibatchRandomVariable):
+        return "1"
+    inner = obs.owner.inputs[0]
+    total = obs.owner.inputs[1:]
+    try:
+        batch = int(np.prod(inner.shape.eval(mode="FAST_COMPILE")))
+        tot = [
+            int(np.asarray(t.eval(mode="FAST_COMPILE"))) if not isinstance(t, type(None)) else None
+            for t in total
+        ]
+        return f"N/|M| = {tot[0]}/{batch}" if tot else "total_size"
+    except Exception:
+        return "total_size (minibatch)"
 
 
 # ------------------------------------------------------------------ prior terms
 def _prior_term(model, g: GaussianGlobal, gvalues, gshapes):
     """Gaussian prior of ``g`` as a whitened residual plus its normalizer."""
-    params = model.replace_rvs_by_values(_dist_params(g.rv))
+    params = model.replace_rvs_by_values(dist_params(g.rv))
     value = g.value
     if g.prior == "normal":
         mu, sigma = (as_float(p) for p in params)
@@ -338,30 +271,23 @@ def _prior_term(model, g: GaussianGlobal, gvalues, gshapes):
         mu, cov = (as_float(p) for p in params)
         chol = pt.linalg.cholesky(cov, lower=True)
         k = g.shape[-1]
-        eye = pt.eye(k)
-        chol_inv = pt.linalg.solve_triangular(chol, pt.broadcast_to(eye, chol.shape), lower=True)
+        chol_inv = pt.linalg.solve_triangular(
+            chol, pt.broadcast_to(pt.eye(k), chol.shape), lower=True
+        )
         centered = pt.broadcast_to(value - mu, g.shape)
         resid = pt.matmul(chol_inv, centered[..., None])[..., 0]
         logdiag = pt.log(pt.diagonal(chol, axis1=-2, axis2=-1))
-        n_rows = int(np.prod(g.shape[:-1], dtype=int)) if len(g.shape) > 1 else 1
-        rows_in_chol = (
-            int(np.prod(chol.type.shape[:-2], dtype=int))
-            if chol.ndim > 2 and None not in chol.type.shape[:-2]
-            else 1
-        )
-        const = -pt.sum(logdiag) * (n_rows // max(rows_in_chol, 1))
+        const = -pt.sum(pt.broadcast_to(logdiag, g.shape))
     form = linearize(resid, gvalues, gshapes)
-    if form is None:
+    if form is None:  # pragma: no cover - roles guarantee an affine location
         raise UnsupportedModelError(
-            g.name,
-            "its prior mean is not affine in the other Gaussian variables",
-            "report this model as a bug",
+            g.name, "its prior mean is not affine in the other Gaussian variables"
         )
     term = PredictorTerm(
         name=f"prior of {g.name}",
         eta_shape=tuple(g.shape),
         offset=form.offset,
-        terms=_flatten_terms(form.terms, g.shape),
+        terms=flatten_terms(form.terms, g.shape),
         placeholder=None,
         logp=None,
         gaussian=True,
@@ -370,94 +296,82 @@ def _prior_term(model, g: GaussianGlobal, gvalues, gshapes):
     return term, ConstantTerm(f"normalizer of {g.name}", const)
 
 
-# ------------------------------------------------------------- likelihood terms
-def _likelihood_term(name, logp, gvalues, gshapes) -> PredictorTerm | None:
-    """Find the affine predictor through which ``logp`` depends on the globals."""
-    lin = _Linearizer(gvalues, gshapes)
-    cuts: list[Variable] = []
-    seen = set()
-    stack = [logp]
-    while stack:
-        v = stack.pop()
-        if v in seen or not lin.depends(v):
-            continue
-        seen.add(v)
-        if v.dtype.startswith("float") and lin(v) is not None and lin(v).terms:
-            if v not in cuts:
-                cuts.append(v)
-            continue
-        if v.owner is None:
-            continue
-        stack.extend(i for i in v.owner.inputs if lin.depends(i))
-    if len(cuts) != 1:
-        return None
-    (eta,) = cuts
-    placeholder = eta.type()
-    placeholder.name = f"{name}_predictor"
-    replaced = graph_replace(logp, {eta: placeholder}, strict=False)
-    if depends_on_any(replaced, gvalues):
-        return None
-    if not is_separable(replaced, placeholder):
-        return None
-    stable = stable_logp(replaced)
-    form = lin(eta)
-    shape = lin.shape_of(eta)
-    return PredictorTerm(
-        name=name,
-        eta_shape=shape,
-        offset=form.offset,
-        terms=_flatten_terms(form.terms, shape),
-        placeholder=placeholder,
-        logp=stable,
-    )
-
-
-def _flatten_terms(terms: list[LinearTerm], shape) -> list[LinearTerm]:
-    """Give every term exactly one leading (row) axis."""
-    out = []
-    nd = len(shape)
-    for t in terms:
-        if t.ndim < nd:
-            t = t.map(lambda c, d=nd - t.ndim: pt.shape_padleft(c, d))
-        if nd == 0:
-            out.append(t.map(lambda c: c[None]))
-        elif nd == 1:
-            out.append(t)
-        elif t.is_dense:
-            out.append(t.map(lambda c: c.reshape((1, c.shape[-1]), ndim=2)))
-        else:
-            k = pt.maximum(t.cols.shape[-1], 1 if t.vals is None else t.vals.shape[-1])
-            full = (*shape, k)
-
-            def flat(c, full=full):
-                return pt.broadcast_to(c, full).reshape((-1, full[-1]), ndim=2)
-
-            out.append(t.map(flat))
-    return out
-
-
-def _form_name(term: PredictorTerm) -> str:
-    kinds = {"dense affine" if t.is_dense else "gather" for t in term.terms}
-    if kinds == {"dense affine"}:
-        return "dense affine"
-    if kinds == {"gather"}:
-        return "gather"
-    return "dense affine + gather"
+def _local_form(model, lc, gvalues, gshapes) -> str:
+    """Predictor form of an observed variable reached through a local latent."""
+    params = model.replace_rvs_by_values(dist_params(lc.rv))
+    if lc.kind == "discrete":
+        obs = model[lc.observed]
+        logp = remove_checks(model.logp(vars=[obs], sum=False)[0])
+        fixed = graph_replace(
+            logp, {lc.value: pt.ones(lc.shape, dtype=lc.value.dtype)}, strict=False
+        )
+        if not depends_on_any(fixed, gvalues):
+            return f"with discrete local {lc.name!r} (no Gaussian global)"
+        term = likelihood_term(obs.name, fixed, gvalues, gshapes)
+        return (
+            f"{form_name(term) if term is not None else 'general'}, with discrete local {lc.name!r}"
+        )
+    if lc.kind == "gaussian":
+        loc = params[0]
+        if not depends_on_any(loc, gvalues):
+            return f"through local {lc.name!r} (no Gaussian global)"
+        form = linearize(as_float(loc), gvalues, gshapes)
+        if form is None:
+            return f"general, through local {lc.name!r}"
+        kinds = {"dense affine" if t.is_dense else "gather" for t in form.terms}
+        name = " + ".join(sorted(kinds, key=lambda k: k != "dense affine"))
+        return f"{name}, through local {lc.name!r}"
+    return f"through local {lc.name!r}"
 
 
 def _joint_blocks(terms: list[PredictorTerm], gaussians) -> list[list[int]]:
-    """Globals gathered together in one likelihood term with the same number of rows."""
+    """Globals gathered by the same grouping index in one likelihood term.
+
+    Two globals with the same number of rows share a block segment when, for
+    every observation, they are read at the same row (``a[g]`` and ``b[g] * x``).
+    """
     groups = []
     for t in terms:
         if t.kind != "likelihood":
             continue
-        gathered = sorted({tt.source for tt in t.terms if not tt.is_dense})
-        by_rows: dict[int, list[int]] = {}
-        for gid in gathered:
-            shp = gaussians[gid].shape
-            if shp:
-                by_rows.setdefault(shp[0], []).append(gid)
-        for members in by_rows.values():
-            if len(members) > 1 and members not in groups:
-                groups.append(members)
+        gathered = [tt for tt in t.terms if not tt.is_dense and gaussians[tt.source].shape]
+        by_rows: dict[int, list] = {}
+        for tt in gathered:
+            by_rows.setdefault(gaussians[tt.source].shape[0], []).append(tt)
+        for rows, tts in by_rows.items():
+            sources = sorted({tt.source for tt in tts})
+            if len(sources) < 2:
+                continue
+            same = _same_rows(tts, gaussians)
+            for grp in same:
+                if len(grp) > 1 and grp not in groups:
+                    groups.append(grp)
     return groups
+
+
+def _same_rows(tts, gaussians):
+    """Partition the sources of gather terms by identical per-observation rows."""
+    import pytensor
+
+    exprs = []
+    for tt in tts:
+        g = gaussians[tt.source]
+        k = g.size // g.shape[0]
+        exprs.append(tt.cols[:, 0] // k)
+    try:
+        fn = pytensor.function([], exprs, mode="FAST_COMPILE")
+        rows = fn()
+    except Exception:
+        return []
+    groups: list[list[int]] = []
+    reps: list[np.ndarray] = []
+    for tt, r in zip(tts, rows, strict=True):
+        for grp, rep in zip(groups, reps, strict=True):
+            if rep.shape == r.shape and np.array_equal(rep, r):
+                if tt.source not in grp:
+                    grp.append(tt.source)
+                break
+        else:
+            groups.append([tt.source])
+            reps.append(np.asarray(r))
+    return [sorted(g) for g in groups]

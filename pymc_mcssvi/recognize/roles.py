@@ -1,0 +1,247 @@
+"""Assign a role to every free variable of a PyMC model.
+
+Order of decisions (ARCHITECTURE.md §1, §6):
+
+1. **locals** -- a ``pm.Normal`` (continuous) or ``pm.Bernoulli`` /
+   ``pm.Categorical`` (discrete) variable with one entry per observation of
+   exactly one observed variable, used by it elementwise, whose prior is
+   univariate (so conditionally independent across entries given the globals)
+   and is not read by any other prior;
+2. **Rayleigh globals** -- ``pymc_mcssvi.Rayleigh`` or ``pm.Weibull(alpha=2)``
+   whose scale involves no other latent of the model except hyperparameters;
+3. **Gaussian globals** -- the remaining untransformed ``pm.Normal`` /
+   ``pm.MvNormal`` variables whose prior location is affine in the other
+   Gaussian globals and whose prior scale involves none of them (iterative
+   demotion: a candidate that sets another variable's scale, enters a location
+   non-linearly, or parameterizes a non-Gaussian prior becomes a
+   hyperparameter);
+4. **hyperparameters** -- every other continuous free variable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+from pymc.distributions.continuous import WeibullBetaRV
+from pymc.distributions.multivariate import MvNormalRV
+from pymc.variational.minibatch_rv import MinibatchRandomVariable
+from pytensor.graph.basic import Constant
+from pytensor.tensor.random.basic import BernoulliRV, CategoricalRV, NormalRV
+
+from pymc_mcssvi.distributions import RayleighRV
+from pymc_mcssvi.exceptions import UnsupportedModelError
+from pymc_mcssvi.recognize.affine import linearize
+from pymc_mcssvi.recognize.graph import depends_on_any, is_separable, remove_checks
+from pymc_mcssvi.recognize.ir import GaussianGlobal, Hyperparameter, LocalLatent, RayleighGlobal
+
+__all__ = ["Roles", "assign_roles", "base_op", "dist_params"]
+
+
+def base_op(rv):
+    """Distribution op of a variable and the variable carrying it (through minibatching)."""
+    op = rv.owner.op
+    if isinstance(op, MinibatchRandomVariable):
+        inner = rv.owner.inputs[0]
+        return inner.owner.op, inner
+    return op, rv
+
+
+def dist_params(rv):
+    op, base = base_op(rv)
+    return list(op.dist_params(base.owner))
+
+
+def _constant(v):
+    while v.owner is not None and v.owner.op.__class__.__name__ in ("DimShuffle", "Cast"):
+        v = v.owner.inputs[0]
+    if isinstance(v, Constant):
+        data = np.asarray(v.data)
+        if data.size >= 1 and np.all(data == data.reshape(-1)[0]):
+            return float(data.reshape(-1)[0])
+    return None
+
+
+def rayleigh_scale(rv):
+    """The Rayleigh scale of ``rv`` (a graph in RVs) or None if ``rv`` is not Rayleigh."""
+    op, base = base_op(rv)
+    params = dist_params(rv)
+    if isinstance(op, RayleighRV):
+        return params[0]
+    if isinstance(op, WeibullBetaRV) and _constant(params[0]) == 2.0:
+        return params[1] / np.sqrt(2.0)
+    return None
+
+
+@dataclass
+class Roles:
+    gaussians: list[GaussianGlobal] = field(default_factory=list)
+    rayleighs: list[RayleighGlobal] = field(default_factory=list)
+    locals: list[LocalLatent] = field(default_factory=list)
+    hypers: list[Hyperparameter] = field(default_factory=list)
+
+
+def _observed_logps(model):
+    return {obs: remove_checks(model.logp(vars=[obs], sum=False)[0]) for obs in model.observed_RVs}
+
+
+def _find_locals(model, free, values, vshape, params, obs_logps):
+    """Free variables that are locals of exactly one observed variable."""
+    out = []
+    for rv in free:
+        op, _ = base_op(rv)
+        discrete = isinstance(op, BernoulliRV | CategoricalRV)
+        gaussian = isinstance(op, NormalRV) and model.rvs_to_transforms.get(rv) is None
+        if not (discrete or gaussian):
+            continue
+        v = values[rv]
+        consumers = [obs for obs, lp in obs_logps.items() if depends_on_any(lp, [v])]
+        readers = [
+            o for o in free if o is not rv and any(depends_on_any(p, [v]) for p in params[o])
+        ]
+        if len(consumers) != 1 or readers:
+            continue
+        (obs,) = consumers
+        obs_size = (
+            int(np.prod(obs_logps[obs].type.shape, dtype=int))
+            if None not in obs_logps[obs].type.shape
+            else None
+        )
+        if obs_size is None:
+            try:
+                obs_size = int(np.prod(obs_logps[obs].shape.eval(mode="FAST_COMPILE")))
+            except Exception:  # pragma: no cover
+                continue
+        size = int(np.prod(vshape[rv], dtype=int))
+        if size != obs_size or size < 2:
+            continue
+        if not is_separable(obs_logps[obs], v):
+            continue
+        support = None
+        if discrete:
+            if isinstance(op, BernoulliRV):
+                support = 2
+            else:
+                p = params[rv][0]
+                support = (
+                    p.type.shape[-1]
+                    if p.type.shape[-1] is not None
+                    else int(p.shape[-1].eval(mode="FAST_COMPILE"))
+                )
+        out.append(
+            LocalLatent(
+                name=rv.name,
+                rv=rv,
+                value=v,
+                shape=vshape[rv],
+                kind="discrete" if discrete else "gaussian",
+                observed=obs.name,
+                support=support,
+            )
+        )
+    return out
+
+
+def assign_roles(model) -> Roles:
+    """Split the free variables of ``model`` into the roles of a two-level model.
+
+    Raises
+    ------
+    UnsupportedModelError
+        A discrete free variable that is not a local; no Gaussian or Rayleigh global.
+    """
+    free = list(model.free_RVs)
+    values = {rv: model.rvs_to_values[rv] for rv in free}
+    ip = model.initial_point()
+    vshape = {rv: tuple(np.shape(ip[values[rv].name])) for rv in free}
+    params = {rv: model.replace_rvs_by_values(dist_params(rv)) for rv in free}
+    obs_logps = _observed_logps(model)
+
+    locals_ = _find_locals(model, free, values, vshape, params, obs_logps)
+    local_rvs = {lc.rv for lc in locals_}
+    for rv in free:
+        if rv.type.dtype.startswith(("int", "uint", "bool")) and rv not in local_rvs:
+            raise UnsupportedModelError(
+                rv.name,
+                "it is a discrete free variable that is not a marginalizable local (one entry per observation "
+                "of a single observed variable, used elementwise)",
+                "marginalize it in the model (e.g. pm.Mixture, pm.ZeroInflatedPoisson) or use pm.sample",
+            )
+
+    rest = [rv for rv in free if rv not in local_rvs]
+    rayleighs = []
+    for rv in rest:
+        scale = rayleigh_scale(rv)
+        if scale is None:
+            continue
+        scale_v = model.replace_rvs_by_values([scale])[0]
+        rayleighs.append(RayleighGlobal(rv.name, rv, values[rv], vshape[rv], scale_v))
+    rayleigh_rvs = {r.rv for r in rayleighs}
+
+    cand = {}
+    for rv in rest:
+        if rv in rayleigh_rvs or model.rvs_to_transforms.get(rv) is not None:
+            continue
+        op, _ = base_op(rv)
+        if isinstance(op, MvNormalRV):
+            cand[rv] = "mvnormal"
+        elif isinstance(op, NormalRV):
+            cand[rv] = "normal"
+    shapes = {values[rv]: vshape[rv] for rv in cand}
+    reasons: dict = {}
+
+    def demote(c, why):
+        reasons[c] = why
+        del cand[c]
+
+    changed = True
+    while changed:
+        changed = False
+        cvals = {values[rv]: rv for rv in cand}
+        for rv in free:
+            ps = params[rv]
+            if rv in cand:
+                loc, scales = ps[0], ps[1:]
+                others = {v for v in cvals if v is not values[rv]}
+                hit = [cvals[v] for v in others if any(depends_on_any(s, [v]) for s in scales)]
+                for c in hit:
+                    demote(c, f"sets the scale of {rv.name!r}")
+                if hit:
+                    changed = True
+                    break
+                if (
+                    depends_on_any(loc, others)
+                    and linearize(loc, dict.fromkeys(others, 0), shapes) is None
+                ):
+                    for v in others:
+                        if depends_on_any(loc, [v]):
+                            demote(cvals[v], f"enters the mean of {rv.name!r} non-linearly")
+                    changed = True
+                    break
+            else:
+                is_local = rv in local_rvs
+                checked = ps[1:] if is_local and isinstance(base_op(rv)[0], NormalRV) else ps
+                hit = [cvals[v] for v in cvals if any(depends_on_any(p, [v]) for p in checked)]
+                for c in hit:
+                    demote(c, f"is a parameter of the prior of {rv.name!r}")
+                if hit:
+                    changed = True
+                    break
+
+    roles = Roles(locals=locals_, rayleighs=rayleighs)
+    for rv in rest:
+        if rv in rayleigh_rvs:
+            continue
+        if rv in cand:
+            roles.gaussians.append(GaussianGlobal(rv.name, rv, values[rv], vshape[rv], cand[rv]))
+        else:
+            reason = reasons.get(rv, "its prior is not Normal / MvNormal")
+            roles.hypers.append(Hyperparameter(rv.name, rv, values[rv], vshape[rv], reason))
+    if not roles.gaussians and not roles.rayleighs:
+        names = ", ".join(rv.name for rv in free) or "(none)"
+        raise UnsupportedModelError(
+            names,
+            "the model has no Gaussian (pm.Normal / pm.MvNormal) or Rayleigh global variable for the structured q",
+            "give the regression coefficients Normal priors, or use pm.fit(method='advi') for this model",
+        )
+    return roles

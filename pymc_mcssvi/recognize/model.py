@@ -338,7 +338,7 @@ def _joint_blocks(terms: list[PredictorTerm], gaussians) -> list[list[int]]:
         by_rows: dict[int, list] = {}
         for tt in gathered:
             by_rows.setdefault(gaussians[tt.source].shape[0], []).append(tt)
-        for rows, tts in by_rows.items():
+        for tts in by_rows.values():
             sources = sorted({tt.source for tt in tts})
             if len(sources) < 2:
                 continue

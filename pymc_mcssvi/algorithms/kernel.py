@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytensor
 import pytensor.tensor as pt
+from pytensor.gradient import jacobian
 from pytensor.graph.replace import graph_replace
 
 from pymc_mcssvi.algorithms.optimizers import Optimizer
@@ -44,13 +45,19 @@ class HyperSpec:
     shapes : list of tuple
     init : np.ndarray
         Flat initial point.
-    optimizer : Optimizer
+    optimizer : Optimizer or None
+        First-order rule on the bound's gradient; ``None`` takes damped Newton
+        steps with the exact Hessian of the bound in ``h`` (see
+        :func:`newton_direction`).
+    max_step : float
+        Largest change of any unconstrained coordinate in one step.
     """
 
     values: list
     shapes: list
     init: np.ndarray
-    optimizer: Optimizer
+    optimizer: Optimizer | None = None
+    max_step: float = 1.0
 
     @property
     def size(self) -> int:
@@ -63,6 +70,21 @@ class HyperSpec:
             out[v] = flat[off : off + n].reshape(shp).astype(v.dtype)
             off += n
         return out
+
+
+def newton_direction(grad, hess, floor=1e-8):
+    """Ascent direction ``|H|^{-1} g`` for maximizing a function of a few variables.
+
+    Notes
+    -----
+    Eigenvalues of the Hessian are replaced by their absolute values (floored),
+    so the direction is Newton's near a maximum and still an ascent direction
+    where the bound is not concave in ``h`` (saddle-free Newton).
+    """
+    H = 0.5 * (hess + hess.T)
+    lam, V = pt.linalg.eigh(H)
+    scale = pt.maximum(pt.abs(lam), floor * pt.maximum(pt.max(pt.abs(lam)), 1.0))
+    return V @ ((V.T @ grad) / scale)
 
 
 def _shared(value, name):
@@ -111,8 +133,10 @@ class StepKernel:
             self.base_h = _shared(hypers.init, "base_hyper")
             self.cand_h = _shared(hypers.init, "cand_hyper")
             self.base_hgrad = _shared(np.zeros(hypers.size), "base_hyper_grad")
-            self.base_hopt = self._shared_tree(hypers.optimizer.init(hypers.init), "base_hyper_opt")
-            self.cand_hopt = self._shared_tree(hypers.optimizer.init(hypers.init), "cand_hyper_opt")
+            self.base_hhess = _shared(-np.eye(hypers.size), "base_hyper_hess")
+            opt0 = hypers.optimizer.init(hypers.init) if hypers.optimizer else ()
+            self.base_hopt = self._shared_tree(opt0, "base_hyper_opt")
+            self.cand_hopt = self._shared_tree(opt0, "cand_hyper_opt")
         else:
             self.hypers = None
         self.nseg = nseg
@@ -151,10 +175,13 @@ class StepKernel:
         finite = pt.isfinite(value)
         for x in [*grads, *hessians]:
             finite = finite & pt.all(pt.isfinite(x))
-        hgrad = None
+        hgrad = hhess = None
         if self.hypers is not None:
             hgrad = pt.grad(pt.switch(finite, value, 0.0), self.cand_h)
             finite = finite & pt.all(pt.isfinite(hgrad))
+            if self.hypers.optimizer is None:
+                hhess = jacobian(hgrad, self.cand_h, vectorize=True)
+                finite = finite & pt.all(pt.isfinite(hhess))
         if self.monotone:
             tol = 1e-9 * pt.abs(self.base_bound) + 1e-9
             better = pt.or_(~pt.isfinite(self.base_bound), value >= self.base_bound - tol)
@@ -196,15 +223,22 @@ class StepKernel:
             hg = sel(hgrad, self.base_hgrad)
             hg_safe = pt.switch(pt.isfinite(hg), hg, 0.0)
             h_base = sel(self.cand_h, self.base_h)
-            hopt = _select_tree(
-                accept, self.cand_hopt, self.hypers.optimizer.restart(self.base_hopt)
-            )
-            delta, hopt_next = self.hypers.optimizer.update(hg_safe, hopt, scale, t)
+            if self.hypers.optimizer is None:
+                hh = sel(hhess, self.base_hhess)
+                hh_safe = pt.switch(pt.isfinite(hh), hh, 0.0)
+                delta = rho * newton_direction(hg_safe, hh_safe)
+                updates[self.base_hhess] = hh
+            else:
+                restarted_h = self.hypers.optimizer.restart(self.base_hopt)
+                hopt = _select_tree(accept, self.cand_hopt, restarted_h)
+                delta, hopt_next = self.hypers.optimizer.update(hg_safe, hopt, scale, t)
+                _tree_updates(updates, self.base_hopt, hopt)
+                _tree_updates(updates, self.cand_hopt, hopt_next)
+            cap = self.hypers.max_step
+            delta = delta * pt.minimum(1.0, cap / pt.maximum(pt.max(pt.abs(delta)), 1e-12))
             updates[self.base_h] = h_base
             updates[self.base_hgrad] = hg
             updates[self.cand_h] = h_base + delta
-            _tree_updates(updates, self.base_hopt, hopt)
-            _tree_updates(updates, self.cand_hopt, hopt_next)
         outputs = [new_bound, value, pt.cast(accept, "int8"), rho]
         return outputs, updates
 

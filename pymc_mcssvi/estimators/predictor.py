@@ -96,7 +96,14 @@ class PredictorGeometry:
 
     # ----------------------------------------------------------------- assembly
     def design(self, p: SegmentPieces):
-        """Dense ``n x D_s`` design of the term restricted to segment ``p``."""
+        """Dense ``n x D_s`` design of the term restricted to segment ``p``.
+
+        Notes
+        -----
+        Dense pieces with contiguous columns are placed by slicing; gathers are
+        one-hot encoded by comparison with ``arange(D_s)`` (an elementwise
+        ``n x k x D_s`` product, much faster than a scatter into the design).
+        """
         seg = self.segments[p.segment]
         n = self.n_rows
         if len(p.dense) == 1 and not p.sparse:
@@ -105,12 +112,17 @@ class PredictorGeometry:
                 return _rows_vals(vals, n, len(coords))
         A = pt.zeros((n, seg.dim))
         for coords, vals in p.dense:
-            A = pt.inc_subtensor(A[:, coords], _rows_vals(vals, n, len(coords)))
+            v = _rows_vals(vals, n, len(coords))
+            if np.array_equal(coords, np.arange(coords[0], coords[0] + len(coords))):
+                A = pt.inc_subtensor(A[:, coords[0] : coords[0] + len(coords)], v)
+            else:
+                A = pt.inc_subtensor(A[:, coords], v)
         for rows, cols, vals in p.sparse:
             idx = rows * seg.k + cols
             idx = pt.broadcast_to(idx, (n, idx.shape[-1]))
             v = _rows_vals(vals, n, idx.shape[-1])
-            A = pt.inc_subtensor(A[pt.arange(n)[:, None], idx], v)
+            onehot = pt.eq(idx[:, :, None], pt.arange(seg.dim)[None, None, :])
+            A = A + pt.sum(onehot * v[:, :, None], axis=1)
         return A
 
     def prepare(self):

@@ -34,6 +34,7 @@ from typing import Literal, NamedTuple
 
 import numpy as np
 import pytensor.tensor as pt
+from pytensor.conditional.op import ifelse
 
 __all__ = [
     "GaussianBlocks",
@@ -226,9 +227,11 @@ def natural_step(state: GaussianBlocks, g, H, rho, mean_update: bool = True) -> 
     H = 0.5 * (H + pt.matrix_transpose(H))
     trial = cholesky((1.0 - rho) * P - rho * H)
     bad = pt.any(pt.isnan(trial), axis=(-2, -1))
-    H = pt.switch(bad[..., None, None], -psd_projection(-H), H)
+    # The projection needs an eigendecomposition: only computed (lazily) when a block failed.
+    projected = pt.switch(bad[..., None, None], -psd_projection(-H), H)
+    H = ifelse(pt.any(bad), projected, H)
     P_new = (1.0 - rho) * P - rho * H
-    L_new = pt.switch(bad[..., None, None], cholesky(P_new), trial)
+    L_new = ifelse(pt.any(bad), pt.switch(bad[..., None, None], cholesky(P_new), trial), trial)
     if not mean_update:
         return GaussianBlocks(m, L_new)
     Hm = (H @ m[..., None])[..., 0]

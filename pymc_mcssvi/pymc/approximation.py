@@ -191,6 +191,22 @@ class StructuredApproximation(Approximation):
         """Posterior standard deviations of the value variables (unconstrained space)."""
         return self._to_data(self.std)
 
+    @node_property
+    def sample_dict_fn(self):
+        """Draws keyed by value variable, in the model's order.
+
+        PyMC's trace backend reads the point dict positionally, so with several
+        groups the draws must follow ``model.value_vars``, not the group order.
+        """
+        inner = super().sample_dict_fn
+        order = [v.name for v in self.model.value_vars]
+
+        def ordered(draws=100, *, random_seed=None):
+            out = inner(draws, random_seed=random_seed)
+            return {name: out[name] for name in order if name in out}
+
+        return ordered
+
     def sample(self, draws=500, *, random_seed=None, return_inferencedata=True, **kwargs):
         """Draw from the approximation; see :meth:`pymc.variational.opvi.Approximation.sample`.
 

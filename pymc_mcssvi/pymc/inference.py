@@ -45,7 +45,7 @@ logger = logging.getLogger("pymc_mcssvi")
 MAX_REJECTIONS = 40
 
 #: Estimated flops per iteration above which the step is compiled with numba.
-NUMBA_WORK_THRESHOLD = 2e6
+NUMBA_WORK_THRESHOLD = 5e7
 
 #: Mode for one-off helper functions (initial points, sampling): no compilation.
 HELPER_MODE = "FAST_COMPILE"
@@ -73,8 +73,12 @@ class StructuredVI(Inference):
         ``"power"`` for minibatch fits. See :mod:`pymc_mcssvi.algorithms.schedules`.
     rho0, tau, kappa : float
         Schedule parameters.
-    mean_optimizer, factor_optimizer, hyper_optimizer : str, tuple or Optimizer
+    mean_optimizer, factor_optimizer : str, tuple or Optimizer
         First-order rules (``"adagrad"``, ``"adam"``, ``"sgd"`` or ``(name, lr)``).
+    hyper_optimizer : "newton" or optimizer spec
+        Point hyperparameters take damped Newton steps on the bound (exact
+        Hessian in the unconstrained hyperparameters, default) or a first-order
+        rule such as the paper's ``("adagrad", 1.0)``.
     estimator : {"quadrature", "mc"}
         One-dimensional expectations in predictor space.
     n_points : int
@@ -104,7 +108,7 @@ class StructuredVI(Inference):
         kappa=0.7,
         mean_optimizer=None,
         factor_optimizer=None,
-        hyper_optimizer=("adam", 0.05),
+        hyper_optimizer="newton",
         estimator="quadrature",
         n_points=12,
         n_draws=64,
@@ -184,9 +188,8 @@ class StructuredVI(Inference):
         )
         deterministic = (estimator == "quadrature") and (fixed_draws or not self.tlm.general_terms)
         monotone = self.schedule.monotone and deterministic and not minibatch
-        means, factors, hyper_spec = self._initial_state(
-            start, start_sigma, make_optimizer(hyper_optimizer, 0.05)
-        )
+        hyper_opt = None if hyper_optimizer == "newton" else make_optimizer(hyper_optimizer, 0.05)
+        means, factors, hyper_spec = self._initial_state(start, start_sigma, hyper_opt)
         self.kernel = StepKernel(
             self.bound, self.algorithm, self.schedule, means, factors, hyper_spec, monotone
         )

@@ -35,6 +35,7 @@ from pytensor.scalar import basic as ps
 from pytensor.tensor.basic import Alloc, Join, MakeVector
 from pytensor.tensor.blockwise import Blockwise
 from pytensor.tensor.elemwise import DimShuffle, Elemwise
+from pytensor.tensor.extra_ops import CumOp
 from pytensor.tensor.math import Dot, Sum
 from pytensor.tensor.shape import Reshape, SpecifyShape
 from pytensor.tensor.subtensor import (
@@ -240,7 +241,20 @@ class _Linearizer:
             return self._make_vector(var, node)
         if isinstance(op, OpFromGraph):
             return self._inline(var, node)
+        if isinstance(op, CumOp) and op.mode == "add" and var.ndim == 1:
+            return self._cumsum(var, node)
         return None
+
+    def _cumsum(self, var, node):
+        """``cumsum(x) = T @ x`` with the lower-triangular matrix of ones."""
+        (x,) = node.inputs
+        n = self.shape_of(x)[0]
+        tri = pt.tril(pt.ones((n, n)))
+        return (
+            self(pt.dot(tri, x))
+            if not isinstance(n, int)
+            else self(pt.dot(pt.constant(np.tril(np.ones((n, n)))), x))
+        )
 
     def _elemwise(self, var, node):
         sop = node.op.scalar_op
@@ -298,6 +312,15 @@ class _Linearizer:
             return AffineForm(
                 var.ndim, off, [_pad_left(t, var.ndim).scaled(factor) for t in a.terms]
             )
+        if isinstance(sop, ps.Second):
+            # fill(x, y): y broadcast to the shape of x.
+            if self.depends(ins[0]):
+                return None
+            b = self(ins[1])
+            if b is None:
+                return None
+            off = None if b.offset is None else node.op(ins[0], b.offset)
+            return AffineForm(var.ndim, off, [_pad_left(t, var.ndim) for t in b.terms])
         if isinstance(sop, ps.Identity | ps.Cast):
             if not var.dtype.startswith("float"):
                 return None

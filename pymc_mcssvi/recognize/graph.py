@@ -80,6 +80,62 @@ def is_separable(logp: Variable, placeholder: Variable) -> bool:
     return True
 
 
+def is_entrywise(logp: Variable, var: Variable, point: dict, base=None, n_probe: int = 3) -> bool:
+    """Numerical check that entry ``i`` of ``logp`` depends on entry ``i`` of ``var`` only.
+
+    Used when :func:`is_separable` cannot decide from the graph (indexing by a
+    discrete local, mixtures, ordered categories). ``point`` gives values for the
+    other inputs (e.g. the model's initial point by value variable). Probes a
+    few entries: changing ``var[j]`` must change ``logp[j]`` (or nothing) and no
+    other entry.
+    """
+    import pytensor
+
+    inputs = [
+        v
+        for v in graph_inputs([logp])
+        if v is not var and not isinstance(v, Constant | TensorSharedVariable)
+    ]
+    try:
+        fn = pytensor.function([var, *inputs], logp, mode="FAST_COMPILE", on_unused_input="ignore")
+        vals = [np.asarray(point[v]) if v in point else np.asarray(point[v.name]) for v in inputs]
+    except Exception:
+        return False
+    shape = tuple(
+        int(s) for s in (var.type.shape if None not in var.type.shape else np.shape(base))
+    )
+    size = int(np.prod(shape))
+    if logp.ndim == 0 or size < 2:
+        return False
+    rng = np.random.default_rng(0)
+    if base is None:
+        base = (
+            rng.normal(size=shape)
+            if var.dtype.startswith("float")
+            else np.zeros(shape, dtype=var.dtype)
+        )
+    base = np.asarray(base, dtype=var.dtype)
+    try:
+        ref = np.asarray(fn(base, *vals))
+    except Exception:
+        return False
+    if ref.size != size:
+        return False
+    for j in rng.choice(size, size=min(n_probe, size), replace=False):
+        probe = base.copy().reshape(-1)
+        probe[j] = (
+            probe[j] + 0.37
+            if var.dtype.startswith("float")
+            else (1 - probe[j] if probe[j] in (0, 1) else 0)
+        )
+        out = np.asarray(fn(probe.reshape(shape), *vals)).reshape(-1)
+        changed = ~np.isclose(out, ref.reshape(-1), rtol=1e-12, atol=1e-12, equal_nan=True)
+        changed[j] = False
+        if changed.any():
+            return False
+    return True
+
+
 def _is_linear_elemwise(node, dep) -> bool:
     from pytensor.scalar import basic as ps
 

@@ -186,6 +186,7 @@ class PredictorTerm:
     logp: Variable | None
     gaussian: bool = False
     kind: str = "likelihood"
+    form: str = ""
 
 
 @dataclass

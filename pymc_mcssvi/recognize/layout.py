@@ -57,6 +57,8 @@ def resolve_structure(
                     f"`cov` names {name!r}, which is not a Gaussian global of the model",
                     f"use one of {sorted(names)}",
                 )
+            if kind not in valid:
+                raise ValueError(f"cov must be one of {sorted(valid)} for {name!r}, got {kind!r}")
             per_var[names[name]] = kind
         default = "auto"
     else:
@@ -70,6 +72,8 @@ def resolve_structure(
     for i, g in enumerate(gaussians):
         kind = per_var.get(i, default)
         if kind == "auto" and row_blocks and i in row_blocks and len(g.shape) >= 2:
+            kind = "block"
+        if kind == "auto" and total > MAX_FULL_DIM and _in_joint(i, joint_blocks):
             kind = "block"
         if kind == "auto":
             if total <= MAX_FULL_DIM or g.size <= 64:

@@ -7,22 +7,31 @@ and *general* (anything else: Monte Carlo + autodiff).
 
 from __future__ import annotations
 
+import numpy as np
 import pytensor.tensor as pt
 from pytensor.compile.builders import OpFromGraph
 from pytensor.compile.rewriting import inline_ofg_node
 from pytensor.graph.basic import Variable
 from pytensor.graph.replace import graph_replace
+from pytensor.graph.traversal import io_toposort
 from pytensor.scalar import basic as ps
 from pytensor.tensor.blockwise import Blockwise
 from pytensor.tensor.elemwise import DimShuffle, Elemwise
 from pytensor.tensor.math import Dot, Sum
 
 from pymc_mcssvi.recognize.affine import LinearTerm, _Linearizer
-from pymc_mcssvi.recognize.graph import depends_on_any, is_separable
+from pymc_mcssvi.recognize.graph import depends_on_any, is_entrywise, is_separable
 from pymc_mcssvi.recognize.ir import PredictorTerm
 from pymc_mcssvi.recognize.stabilize import stable_logp
 
-__all__ = ["find_bilinear", "flatten_terms", "form_name", "likelihood_term", "maximal_affine_nodes"]
+__all__ = [
+    "find_bilinear",
+    "flatten_terms",
+    "form_name",
+    "likelihood_term",
+    "maximal_affine_nodes",
+    "predictor_candidates",
+]
 
 
 def maximal_affine_nodes(logp: Variable, lin: _Linearizer) -> list[Variable]:
@@ -47,35 +56,90 @@ def maximal_affine_nodes(logp: Variable, lin: _Linearizer) -> list[Variable]:
     return cuts
 
 
+def predictor_candidates(logp: Variable, lin: _Linearizer):
+    """Affine nodes through which all of ``logp``'s dependence on the globals flows.
+
+    Yields the single maximal affine node first when there is one, then every
+    other separating affine node from the output downwards (e.g. ``mu`` when a
+    censored likelihood reads it through both ``(c - mu) / sigma`` and
+    ``(y - mu) / sigma``, or ``eta`` when an ordered logistic reads it through
+    ``eta[:, None] - cutpoints``).
+    """
+    cuts = maximal_affine_nodes(logp, lin)
+    tried = set()
+    if len(cuts) == 1:
+        tried.add(cuts[0])
+        if _separates(logp, cuts[0], lin):
+            yield cuts[0]
+    for node in reversed(io_toposort(list(lin.wrt), [logp])):
+        for v in node.outputs:
+            if v in tried or not v.dtype.startswith("float") or not lin.depends(v):
+                continue
+            tried.add(v)
+            form = lin(v)
+            if form is not None and form.terms and _separates(logp, v, lin):
+                yield v
+
+
+def _separates(logp, v, lin) -> bool:
+    placeholder = v.type()
+    replaced = graph_replace(logp, {v: placeholder}, strict=False)
+    return not depends_on_any(replaced, lin.wrt)
+
+
 def likelihood_term(
-    name: str, logp: Variable, gvalues: dict, gshapes: dict
+    name: str, logp: Variable, gvalues: dict, gshapes: dict, point: dict | None = None
 ) -> PredictorTerm | None:
     """A :class:`PredictorTerm` when ``logp`` depends on the globals through one affine predictor.
 
-    Returns None when there is no single affine predictor, or when the log
-    density is not separable in it (each entry must depend on its own
-    predictor entry only).
+    Returns None when there is no such predictor in which the log density is
+    separable (each entry must depend on its own predictor entry only; checked
+    on the graph, or numerically at ``point`` when the graph has indexing or
+    mixture operations).
     """
     lin = _Linearizer(gvalues, gshapes)
-    cuts = maximal_affine_nodes(logp, lin)
-    if len(cuts) != 1:
-        return None
-    (eta,) = cuts
-    placeholder = eta.type()
-    placeholder.name = f"{name}_predictor"
-    replaced = graph_replace(logp, {eta: placeholder}, strict=False)
-    if depends_on_any(replaced, gvalues) or not is_separable(replaced, placeholder):
-        return None
-    form = lin(eta)
-    shape = lin.shape_of(eta)
-    return PredictorTerm(
-        name=name,
-        eta_shape=shape,
-        offset=form.offset,
-        terms=flatten_terms(form.terms, shape),
-        placeholder=placeholder,
-        logp=stable_logp(replaced),
-    )
+    for eta in predictor_candidates(logp, lin):
+        placeholder = eta.type()
+        placeholder.name = f"{name}_predictor"
+        replaced = graph_replace(logp, {eta: placeholder}, strict=False)
+        shape = lin.shape_of(eta)
+        if not is_separable(replaced, placeholder):
+            if point is None or not _entrywise_in_predictor(replaced, placeholder, shape, point):
+                continue
+        form = lin(eta)
+        return PredictorTerm(
+            name=name,
+            eta_shape=shape,
+            offset=form.offset,
+            terms=flatten_terms(form.terms, shape),
+            placeholder=placeholder,
+            logp=stable_logp(replaced),
+            form=_form_of(form.terms),
+        )
+    return None
+
+
+def _entrywise_in_predictor(logp, placeholder, shape, point) -> bool:
+    try:
+        shp = tuple(
+            int(s) if isinstance(s, int) else int(s.eval(mode="FAST_COMPILE")) for s in shape
+        )
+    except Exception:
+        return False
+    base = np.random.default_rng(1).normal(size=shp)
+    return is_entrywise(logp, placeholder, point, base=base)
+
+
+def _form_of(terms) -> str:
+    """Dense when a term reads the same columns for every observation (first axis)."""
+    kinds = {
+        "dense affine" if (t.ndim == 0 or t.cols.type.broadcastable[0]) else "gather" for t in terms
+    }
+    if kinds == {"dense affine"}:
+        return "dense affine"
+    if kinds == {"gather"}:
+        return "gather"
+    return "dense affine + gather"
 
 
 def flatten_terms(terms: list[LinearTerm], shape) -> list[LinearTerm]:
@@ -90,7 +154,13 @@ def flatten_terms(terms: list[LinearTerm], shape) -> list[LinearTerm]:
         elif nd == 1:
             out.append(t)
         elif t.is_dense:
-            out.append(t.map(lambda c: c.reshape((1, c.shape[-1]), ndim=2)))
+            k = t.cols.shape[-1]
+            cols = t.cols.reshape((1, k), ndim=2)
+            vals = None
+            if t.vals is not None:
+                kv = pt.maximum(k, t.vals.shape[-1])
+                vals = pt.broadcast_to(t.vals, (*shape, kv)).reshape((-1, kv), ndim=2)
+            out.append(LinearTerm(t.source, cols, vals))
         else:
             k = pt.maximum(t.cols.shape[-1], 1 if t.vals is None else t.vals.shape[-1])
             full = (*shape, k)
@@ -103,12 +173,8 @@ def flatten_terms(terms: list[LinearTerm], shape) -> list[LinearTerm]:
 
 
 def form_name(term: PredictorTerm) -> str:
-    kinds = {"dense affine" if t.is_dense else "gather" for t in term.terms}
-    if kinds == {"dense affine"}:
-        return "dense affine"
-    if kinds == {"gather"}:
-        return "gather"
-    return "dense affine + gather"
+    """Predictor form of a likelihood term, for :func:`~pymc_mcssvi.describe`."""
+    return term.form or _form_of(term.terms)
 
 
 def find_bilinear(logp: Variable, gvalues: dict, gshapes: dict):

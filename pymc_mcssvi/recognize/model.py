@@ -84,6 +84,10 @@ def recognize(model: pm.Model | None = None, cov: str | dict | None = None) -> T
         _check_observed_data(model, obs)
 
     roles = assign_roles(model)
+    point = {
+        model.rvs_to_values[rv]: v
+        for rv, v in zip(model.free_RVs, _initial_values(model), strict=True)
+    }
     gaussians = roles.gaussians
     gvalues = {g.value: i for i, g in enumerate(gaussians)}
     gshapes = {g.value: g.shape for g in gaussians}
@@ -131,13 +135,13 @@ def recognize(model: pm.Model | None = None, cov: str | dict | None = None) -> T
         logp = remove_checks(model.logp(vars=[obs], sum=False)[0])
         if obs.name in local_of:
             lc = local_of[obs.name]
-            forms[obs.name] = _local_form(model, lc, gvalues, gshapes)
+            forms[obs.name] = _local_form(model, lc, gvalues, gshapes, point)
             continue
         if not depends_on_any(logp, gvalues):
             constant_terms.append(ConstantTerm(obs.name, logp))
             forms[obs.name] = "constant (no Gaussian global)"
             continue
-        term = likelihood_term(obs.name, logp, gvalues, gshapes)
+        term = likelihood_term(obs.name, logp, gvalues, gshapes, point)
         if term is not None:
             predictor_terms.append(term)
             forms[obs.name] = form_name(term)
@@ -207,7 +211,11 @@ def _check_imputation(model):
 
 
 def _check_observed_data(model, obs):
-    """NaN or infinite values in the observed data or in data the likelihood reads."""
+    """NaN or infinite observed data; NaN in data arrays the likelihood reads.
+
+    Parameters may legitimately be infinite (censoring and truncation bounds),
+    so only NaN is an error outside the observed values.
+    """
     value = model.rvs_to_values.get(obs)
     roots = [obs] if value is None else [obs, value]
     for v in ancestors(roots):
@@ -219,15 +227,19 @@ def _check_observed_data(model, obs):
         if data is None:
             continue
         data = np.asarray(data)
-        if data.dtype.kind == "f" and not np.all(np.isfinite(data)):
-            what = (
-                "its observed data"
-                if v is value
-                else f"the data {v.name or 'array'!r} it depends on"
-            )
+        if data.dtype.kind != "f":
+            continue
+        if v is value and not np.all(np.isfinite(data)):
             raise UnsupportedModelError(
                 obs.name,
-                f"{what} contain NaN or infinite values",
+                "its observed data contain NaN or infinite values",
+                "remove or impute those entries before building the model",
+            )
+        if v is not value and data.size > 1 and np.isnan(data).any():
+            what = f"data {v.name!r}" if v.name else f"a data array of shape {data.shape}"
+            raise UnsupportedModelError(
+                obs.name,
+                f"{what} that it depends on contains NaN values",
                 "remove or impute those entries before building the model",
             )
 
@@ -296,32 +308,35 @@ def _prior_term(model, g: GaussianGlobal, gvalues, gshapes):
     return term, ConstantTerm(f"normalizer of {g.name}", const)
 
 
-def _local_form(model, lc, gvalues, gshapes) -> str:
-    """Predictor form of an observed variable reached through a local latent."""
-    params = model.replace_rvs_by_values(dist_params(lc.rv))
-    if lc.kind == "discrete":
-        obs = model[lc.observed]
-        logp = remove_checks(model.logp(vars=[obs], sum=False)[0])
+def _local_form(model, lc, gvalues, gshapes, point) -> str:
+    """Predictor form of an observed variable reached through a local latent.
+
+    The local is replaced by a representative value (its prior location for a
+    Gaussian local, ones for a discrete one) and the observed log density is
+    analysed as usual.
+    """
+    obs = model[lc.observed]
+    logp = remove_checks(model.logp(vars=[obs], sum=False)[0])
+    if lc.kind == "gaussian":
+        loc = model.replace_rvs_by_values(dist_params(lc.rv))[0]
+        fixed = graph_replace(
+            logp, {lc.value: pt.broadcast_to(as_float(loc), lc.shape)}, strict=False
+        )
+        how = f"through local {lc.name!r}"
+    else:
         fixed = graph_replace(
             logp, {lc.value: pt.ones(lc.shape, dtype=lc.value.dtype)}, strict=False
         )
-        if not depends_on_any(fixed, gvalues):
-            return f"with discrete local {lc.name!r} (no Gaussian global)"
-        term = likelihood_term(obs.name, fixed, gvalues, gshapes)
-        return (
-            f"{form_name(term) if term is not None else 'general'}, with discrete local {lc.name!r}"
-        )
-    if lc.kind == "gaussian":
-        loc = params[0]
-        if not depends_on_any(loc, gvalues):
-            return f"through local {lc.name!r} (no Gaussian global)"
-        form = linearize(as_float(loc), gvalues, gshapes)
-        if form is None:
-            return f"general, through local {lc.name!r}"
-        kinds = {"dense affine" if t.is_dense else "gather" for t in form.terms}
-        name = " + ".join(sorted(kinds, key=lambda k: k != "dense affine"))
-        return f"{name}, through local {lc.name!r}"
-    return f"through local {lc.name!r}"
+        how = f"with discrete local {lc.name!r}"
+    if not depends_on_any(fixed, gvalues):
+        return f"{how} (no Gaussian global)"
+    term = likelihood_term(obs.name, fixed, gvalues, gshapes, point)
+    return f"{form_name(term) if term is not None else 'general'}, {how}"
+
+
+def _initial_values(model):
+    ip = model.initial_point()
+    return [ip[model.rvs_to_values[rv].name] for rv in model.free_RVs]
 
 
 def _joint_blocks(terms: list[PredictorTerm], gaussians) -> list[list[int]]:

@@ -32,7 +32,7 @@ from pytensor.tensor.random.basic import BernoulliRV, CategoricalRV, NormalRV
 from pymc_mcssvi.distributions import RayleighRV
 from pymc_mcssvi.exceptions import UnsupportedModelError
 from pymc_mcssvi.recognize.affine import linearize
-from pymc_mcssvi.recognize.graph import depends_on_any, is_separable, remove_checks
+from pymc_mcssvi.recognize.graph import depends_on_any, is_entrywise, is_separable, remove_checks
 from pymc_mcssvi.recognize.ir import GaussianGlobal, Hyperparameter, LocalLatent, RayleighGlobal
 
 __all__ = ["Roles", "assign_roles", "base_op", "dist_params"]
@@ -85,7 +85,7 @@ def _observed_logps(model):
     return {obs: remove_checks(model.logp(vars=[obs], sum=False)[0]) for obs in model.observed_RVs}
 
 
-def _find_locals(model, free, values, vshape, params, obs_logps):
+def _find_locals(model, free, values, vshape, params, obs_logps, ip):
     """Free variables that are locals of exactly one observed variable."""
     out = []
     for rv in free:
@@ -116,7 +116,10 @@ def _find_locals(model, free, values, vshape, params, obs_logps):
         if size != obs_size or size < 2:
             continue
         if not is_separable(obs_logps[obs], v):
-            continue
+            point = {values[o]: ip[values[o].name] for o in free}
+            base = np.asarray(ip[v.name]).reshape(vshape[rv])
+            if not is_entrywise(obs_logps[obs], v, point, base=base):
+                continue
         support = None
         if discrete:
             if isinstance(op, BernoulliRV):
@@ -142,6 +145,41 @@ def _find_locals(model, free, values, vshape, params, obs_logps):
     return out
 
 
+def _demote_likelihood_scales(model, cand, values, vshape, params, local_rvs, demote):
+    """Gaussian candidates that only set scales or shapes of likelihoods are hyperparameters.
+
+    For each observed variable the parameter that reads the most Gaussian
+    dimensions carries the predictor; a scalar candidate that appears only in
+    its other parameters (``sigma = exp(log_sigma)``) and in no prior location
+    is treated like a HalfNormal scale would be.
+    """
+    size = {rv: int(np.prod(vshape[rv], dtype=int)) for rv in cand}
+    in_location = set()
+    for rv in cand:
+        loc = params[rv][0]
+        in_location.update(c for c in cand if c is not rv and depends_on_any(loc, [values[c]]))
+    for rv in local_rvs:
+        in_location.update(c for c in cand if depends_on_any(params[rv][0], [values[c]]))
+    scale_only: dict = {}
+    main_users = set()
+    for obs in model.observed_RVs:
+        ps = model.replace_rvs_by_values(dist_params(obs))
+        deps = [{c for c in cand if depends_on_any(p, [values[c]])} for p in ps]
+        if not any(deps):
+            continue
+        main = max(range(len(ps)), key=lambda i: sum(size[c] for c in deps[i]))
+        main_users.update(deps[main])
+        for i, d in enumerate(deps):
+            if i != main:
+                for c in d - deps[main]:
+                    scale_only.setdefault(c, obs.name)
+    for c, obs_name in scale_only.items():
+        # Only scalars: a vector of scale coefficients (heteroskedastic regression) keeps
+        # its Gaussian posterior through the Monte Carlo + autodiff path.
+        if c in cand and size[c] == 1 and c not in main_users and c not in in_location:
+            demote(c, f"sets the scale or shape of {obs_name!r}")
+
+
 def assign_roles(model) -> Roles:
     """Split the free variables of ``model`` into the roles of a two-level model.
 
@@ -157,7 +195,7 @@ def assign_roles(model) -> Roles:
     params = {rv: model.replace_rvs_by_values(dist_params(rv)) for rv in free}
     obs_logps = _observed_logps(model)
 
-    locals_ = _find_locals(model, free, values, vshape, params, obs_logps)
+    locals_ = _find_locals(model, free, values, vshape, params, obs_logps, ip)
     local_rvs = {lc.rv for lc in locals_}
     for rv in free:
         if rv.type.dtype.startswith(("int", "uint", "bool")) and rv not in local_rvs:
@@ -194,6 +232,8 @@ def assign_roles(model) -> Roles:
         reasons[c] = why
         del cand[c]
 
+    _demote_likelihood_scales(model, cand, values, vshape, params, local_rvs, demote)
+
     changed = True
     while changed:
         changed = False
@@ -228,6 +268,16 @@ def assign_roles(model) -> Roles:
                     changed = True
                     break
 
+    def reason_for(rv):
+        if rv in reasons:
+            return reasons[rv]
+        op, _ = base_op(rv)
+        name = getattr(op, "_print_name", (type(op).__name__,))[0]
+        if isinstance(op, NormalRV | MvNormalRV) and model.rvs_to_transforms.get(rv) is not None:
+            tr = type(model.rvs_to_transforms[rv]).__name__.replace("Transform", "").lower()
+            return f"{name} prior with a transform ({tr})"
+        return f"{name} prior"
+
     roles = Roles(locals=locals_, rayleighs=rayleighs)
     for rv in rest:
         if rv in rayleigh_rvs:
@@ -235,8 +285,7 @@ def assign_roles(model) -> Roles:
         if rv in cand:
             roles.gaussians.append(GaussianGlobal(rv.name, rv, values[rv], vshape[rv], cand[rv]))
         else:
-            reason = reasons.get(rv, "its prior is not Normal / MvNormal")
-            roles.hypers.append(Hyperparameter(rv.name, rv, values[rv], vshape[rv], reason))
+            roles.hypers.append(Hyperparameter(rv.name, rv, values[rv], vshape[rv], reason_for(rv)))
     if not roles.gaussians and not roles.rayleighs:
         names = ", ".join(rv.name for rv in free) or "(none)"
         raise UnsupportedModelError(

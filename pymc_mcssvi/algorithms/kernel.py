@@ -20,71 +20,13 @@ evaluated near the current state: the Python loop raises
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import pytensor
 import pytensor.tensor as pt
-from pytensor.gradient import jacobian
-from pytensor.graph.replace import graph_replace
 
-from pymc_mcssvi.algorithms.optimizers import Optimizer
 from pymc_mcssvi.families.gaussian import GaussianBlocks
 
-__all__ = ["HyperSpec", "StepKernel"]
-
-
-@dataclass
-class HyperSpec:
-    """Point-estimated hyperparameters in PyMC's unconstrained space.
-
-    Attributes
-    ----------
-    values : list of TensorVariable
-        The model's value variables (unconstrained) of the hyperparameters.
-    shapes : list of tuple
-    init : np.ndarray
-        Flat initial point.
-    optimizer : Optimizer or None
-        First-order rule on the bound's gradient; ``None`` takes damped Newton
-        steps with the exact Hessian of the bound in ``h`` (see
-        :func:`newton_direction`).
-    max_step : float
-        Largest change of any unconstrained coordinate in one step.
-    """
-
-    values: list
-    shapes: list
-    init: np.ndarray
-    optimizer: Optimizer | None = None
-    max_step: float = 1.0
-
-    @property
-    def size(self) -> int:
-        return int(self.init.size)
-
-    def replacements(self, flat):
-        out, off = {}, 0
-        for v, shp in zip(self.values, self.shapes, strict=True):
-            n = int(np.prod(shp, dtype=int))
-            out[v] = flat[off : off + n].reshape(shp).astype(v.dtype)
-            off += n
-        return out
-
-
-def newton_direction(grad, hess, floor=1e-8):
-    """Ascent direction ``|H|^{-1} g`` for maximizing a function of a few variables.
-
-    Notes
-    -----
-    Eigenvalues of the Hessian are replaced by their absolute values (floored),
-    so the direction is Newton's near a maximum and still an ascent direction
-    where the bound is not concave in ``h`` (saddle-free Newton).
-    """
-    H = 0.5 * (hess + hess.T)
-    lam, V = pt.linalg.eigh(H)
-    scale = pt.maximum(pt.abs(lam), floor * pt.maximum(pt.max(pt.abs(lam)), 1.0))
-    return V @ ((V.T @ grad) / scale)
+__all__ = ["StepKernel"]
 
 
 def _shared(value, name):
@@ -102,7 +44,7 @@ class StepKernel:
     schedule : Schedule
     init_means, init_factors : list of np.ndarray
         Initial q per segment (factor in the algorithm's parameterization).
-    hypers : HyperSpec or None
+    hypers : PointHyperparameters or MeanFieldHyperparameters or None
     monotone : bool
         Reject candidates whose bound is lower (valid when the bound estimate is
         deterministic: full batch and quadrature / fixed draws).
@@ -129,16 +71,7 @@ class StepKernel:
         opt0 = algorithm.init_opt_state(init_means, init_factors)
         self.base_opt = [self._shared_tree(o, f"base_opt_{s}") for s, o in enumerate(opt0)]
         self.cand_opt = [self._shared_tree(o, f"cand_opt_{s}") for s, o in enumerate(opt0)]
-        if hypers is not None and hypers.size:
-            self.base_h = _shared(hypers.init, "base_hyper")
-            self.cand_h = _shared(hypers.init, "cand_hyper")
-            self.base_hgrad = _shared(np.zeros(hypers.size), "base_hyper_grad")
-            self.base_hhess = _shared(-np.eye(hypers.size), "base_hyper_hess")
-            opt0 = hypers.optimizer.init(hypers.init) if hypers.optimizer else ()
-            self.base_hopt = self._shared_tree(opt0, "base_hyper_opt")
-            self.cand_hopt = self._shared_tree(opt0, "cand_hyper_opt")
-        else:
-            self.hypers = None
+        self.hypers = hypers if (hypers is not None and getattr(hypers.spec, "size", 0)) else None
         self.nseg = nseg
 
     @staticmethod
@@ -157,31 +90,27 @@ class StepKernel:
         return [GaussianBlocks(m, f) for m, f in zip(self.base_mean, self.base_factor, strict=True)]
 
     def hyper_replacements(self, which="base"):
-        if self.hypers is None:
+        """Replacements of the hyperparameter value variables by point estimates."""
+        if self.hypers is None or self.hypers.mode != "point":
             return {}
-        return self.hypers.replacements(self.base_h if which == "base" else self.cand_h)
+        return self.hypers.spec.replacements(
+            self.hypers.base if which == "base" else self.hypers.cand
+        )
 
     def build(self):
         """Outputs ``[base_bound, cand_bound, accepted, rho]`` and the shared-variable updates."""
         alg = self.algorithm
         cand = [GaussianBlocks(m, f) for m, f in zip(self.cand_mean, self.cand_factor, strict=True)]
         ev = self.bound.evaluate(cand)
-        repl = self.hyper_replacements("cand")
-        value = ev.value
-        outs = [value, *ev.grads, *ev.hessians]
-        if repl:
-            outs = graph_replace(outs, repl, strict=False)
+        outs = [ev.value, *ev.grads, *ev.hessians]
+        haux = None
+        finite = pt.isfinite(outs[0])
+        if self.hypers is not None:
+            outs, hfinite, haux = self.hypers.evaluate(outs)
+            finite = pt.isfinite(outs[0]) & hfinite
         value, grads, hessians = outs[0], outs[1 : 1 + self.nseg], outs[1 + self.nseg :]
-        finite = pt.isfinite(value)
         for x in [*grads, *hessians]:
             finite = finite & pt.all(pt.isfinite(x))
-        hgrad = hhess = None
-        if self.hypers is not None:
-            hgrad = pt.grad(pt.switch(finite, value, 0.0), self.cand_h)
-            finite = finite & pt.all(pt.isfinite(hgrad))
-            if self.hypers.optimizer is None:
-                hhess = jacobian(hgrad, self.cand_h, vectorize=True)
-                finite = finite & pt.all(pt.isfinite(hhess))
         if self.monotone:
             tol = 1e-9 * pt.abs(self.base_bound) + 1e-9
             better = pt.or_(~pt.isfinite(self.base_bound), value >= self.base_bound - tol)
@@ -220,25 +149,7 @@ class StepKernel:
         updates[self.scale] = scale
         updates[self.t] = t
         if self.hypers is not None:
-            hg = sel(hgrad, self.base_hgrad)
-            hg_safe = pt.switch(pt.isfinite(hg), hg, 0.0)
-            h_base = sel(self.cand_h, self.base_h)
-            if self.hypers.optimizer is None:
-                hh = sel(hhess, self.base_hhess)
-                hh_safe = pt.switch(pt.isfinite(hh), hh, 0.0)
-                delta = rho * newton_direction(hg_safe, hh_safe)
-                updates[self.base_hhess] = hh
-            else:
-                restarted_h = self.hypers.optimizer.restart(self.base_hopt)
-                hopt = _select_tree(accept, self.cand_hopt, restarted_h)
-                delta, hopt_next = self.hypers.optimizer.update(hg_safe, hopt, scale, t)
-                _tree_updates(updates, self.base_hopt, hopt)
-                _tree_updates(updates, self.cand_hopt, hopt_next)
-            cap = self.hypers.max_step
-            delta = delta * pt.minimum(1.0, cap / pt.maximum(pt.max(pt.abs(delta)), 1e-12))
-            updates[self.base_h] = h_base
-            updates[self.base_hgrad] = hg
-            updates[self.cand_h] = h_base + delta
+            updates.update(self.hypers.updates(accept, rho, scale, t, haux))
         outputs = [new_bound, value, pt.cast(accept, "int8"), rho]
         return outputs, updates
 
@@ -248,7 +159,7 @@ class StepKernel:
             self.cand_mean[s].set_value(self.base_mean[s].get_value())
             self.cand_factor[s].set_value(self.base_factor[s].get_value())
         if self.hypers is not None:
-            self.cand_h.set_value(self.base_h.get_value())
+            self.hypers.reset()
 
 
 def _select_tree(cond, a, b):

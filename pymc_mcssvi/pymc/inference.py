@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 
 import numpy as np
 import pymc as pm
@@ -22,7 +23,12 @@ from rich.console import Console
 from rich.progress import Progress, TextColumn
 
 from pymc_mcssvi.algorithms.hmcssvi import HMCSSVIStep
-from pymc_mcssvi.algorithms.kernel import HyperSpec, StepKernel
+from pymc_mcssvi.algorithms.hyperparameters import (
+    HyperSpec,
+    MeanFieldHyperparameters,
+    PointHyperparameters,
+)
+from pymc_mcssvi.algorithms.kernel import StepKernel
 from pymc_mcssvi.algorithms.mcssvi import MCSSVIStep
 from pymc_mcssvi.algorithms.optimizers import make_optimizer
 from pymc_mcssvi.algorithms.schedules import make_schedule
@@ -66,8 +72,13 @@ class StructuredVI(Inference):
         Initial standard deviation of q for every Gaussian global.
     cov : {"auto", "full", "block", "diag"} or dict, optional
         Covariance structure of q per Gaussian global.
-    hyper : {"point"}
-        Treatment of hyperparameters (free variables without a Gaussian prior).
+    hyper : {"meanfield", "point"}
+        Treatment of hyperparameters (free variables without a Gaussian or
+        Rayleigh prior): a Gaussian q in PyMC's unconstrained space,
+        independent of q(w) (default; closer to NUTS for group-level scales,
+        see docs/benchmarks.md), or type-II ML / MAP point estimates of the
+        bound (the paper's choice). See
+        :mod:`pymc_mcssvi.algorithms.hyperparameters`.
     schedule : {"auto", "adaptive", "inverse", "power", "constant"} or float
         Step-size schedule; ``"auto"`` is ``"adaptive"`` for full-batch fits and
         ``"power"`` for minibatch fits. See :mod:`pymc_mcssvi.algorithms.schedules`.
@@ -101,7 +112,7 @@ class StructuredVI(Inference):
         start=None,
         start_sigma=1.0,
         cov=None,
-        hyper="point",
+        hyper="meanfield",
         schedule="auto",
         rho0=None,
         tau=1.0,
@@ -159,8 +170,9 @@ class StructuredVI(Inference):
         fixed_draws,
     ):
         random_seed = self.random_seed
-        if hyper not in ("point",):
-            raise ValueError(f"hyper must be 'point', got {hyper!r}")
+        if hyper not in ("point", "meanfield"):
+            raise ValueError(f"hyper must be 'point' or 'meanfield', got {hyper!r}")
+        self.hyper_mode = hyper
         t0 = time.perf_counter()
         self.tlm = recognize(self.model, cov=cov)
         self.recognition_time = time.perf_counter() - t0
@@ -190,8 +202,13 @@ class StructuredVI(Inference):
         monotone = self.schedule.monotone and deterministic and not minibatch
         hyper_opt = None if hyper_optimizer == "newton" else make_optimizer(hyper_optimizer, 0.05)
         means, factors, hyper_spec = self._initial_state(start, start_sigma, hyper_opt)
+        hypers = None
+        if hyper_spec is not None:
+            hypers = (PointHyperparameters if hyper == "point" else MeanFieldHyperparameters)(
+                hyper_spec
+            )
         self.kernel = StepKernel(
-            self.bound, self.algorithm, self.schedule, means, factors, hyper_spec, monotone
+            self.bound, self.algorithm, self.schedule, means, factors, hypers, monotone
         )
         self._approx = self._make_approximation()
 
@@ -255,10 +272,28 @@ class StructuredVI(Inference):
                 factors=k.base_factor,
             )
         ]
-        if tlm.hypers:
-            groups.append(PointGroup([h.rv for h in tlm.hypers], model=self.model, point=k.base_h))
+        if tlm.hypers and k.hypers.mode == "point":
+            groups.append(
+                PointGroup([h.rv for h in tlm.hypers], model=self.model, point=k.hypers.base)
+            )
+        elif tlm.hypers:
+            from pymc_mcssvi.recognize.ir import Segment
+
+            n = k.hypers.spec.size
+            seg = Segment("full", 1, n, [0])
+            groups.append(
+                StructuredGaussianGroup(
+                    [h.rv for h in tlm.hypers],
+                    model=self.model,
+                    segments=[seg],
+                    flat_maps=[np.arange(n)[None]],
+                    parameterization="precision",
+                    means=[k.hypers.base_mean],
+                    factors=[k.hypers.base_factor],
+                )
+            )
         approx = StructuredApproximation(groups, model=self.model)
-        approx.point_estimates = [h.name for h in tlm.hypers]
+        approx.point_estimates = [h.name for h in tlm.hypers] if self.hyper_mode == "point" else []
         return approx
 
     @property
@@ -324,7 +359,7 @@ class StructuredVI(Inference):
         progressbar : bool
         tol : float, optional
             Relative change of the bound that counts as converged (default
-            ``1e-8`` for full-batch fits, ``1e-3`` between windowed averages for
+            ``1e-7`` for full-batch fits, ``1e-3`` between windowed averages for
             minibatch fits).
         max_iter : int
             Cap on the number of iterations when ``n`` is None.
@@ -350,7 +385,7 @@ class StructuredVI(Inference):
         total = int(n) if n is not None else int(max_iter)
         auto_stop = n is None
         if tol is None:
-            tol = 1e-3 if self.tlm.minibatch else 1e-8
+            tol = 1e-3 if self.tlm.minibatch else 1e-7
         scores = np.full(total, np.nan)
         gains: list[float] = []
         i = 0
@@ -401,7 +436,29 @@ class StructuredVI(Inference):
                 f"{type(self).__name__}: {msg} after {i} iterations, -ELBO = {scores[-1]:,.6g}"
             )
         self.state = i
+        self._warn_collapsed_scales()
         return self.approx
+
+    def _warn_collapsed_scales(self):
+        """Warn when a log-transformed hyperparameter's estimate ran off towards 0."""
+        hyp = self.kernel.hypers
+        if hyp is None:
+            return
+        flat = hyp.base.get_value() if hyp.mode == "point" else hyp.base_mean.get_value()[0]
+        off = 0
+        for h in self.tlm.hypers:
+            n = h.size
+            tr = self.model.rvs_to_transforms.get(h.rv)
+            vals = flat[off : off + n]
+            off += n
+            if tr is not None and type(tr).__name__ == "LogTransform" and np.any(vals < -12.0):
+                warnings.warn(
+                    f"The estimate of {h.name!r} collapsed towards 0 (value {np.exp(vals.min()):.2g}): the "
+                    "bound prefers no variation at that level. The rest of the fit is valid given that value; "
+                    f"consider hyper='meanfield', or a prior on {h.name!r} with less mass near 0.",
+                    UserWarning,
+                    stacklevel=3,
+                )
 
     def refine(self, n, progressbar=True, progressbar_theme=default_progress_theme):
         """Continue a fit for ``n`` more iterations."""

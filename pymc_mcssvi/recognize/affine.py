@@ -171,6 +171,8 @@ class _Linearizer:
         self.wrt = wrt
         self.shapes = shapes or {}
         self.memo: dict[Variable, AffineForm | None] = {}
+        #: Integer index arrays applied to expressions of the globals: (sources, index, axis length).
+        self.gathers: list[tuple[set, Variable, object]] = []
         self._dep: dict[Variable, bool] = {}
 
     def shape_of(self, var: Variable) -> tuple:
@@ -424,6 +426,13 @@ class _Linearizer:
             return None
         indices = tuple(indices_from_subtensor(idx_in, node.op.idx_list))
         shape = self.shape_of(x)
+        for axis, idx in enumerate(indices):
+            if (
+                isinstance(idx, Variable)
+                and idx.ndim >= 1
+                and idx.dtype.startswith(("int", "uint"))
+            ):
+                self.gathers.append((a.sources, idx, shape[axis]))
         terms = []
         for t in a.terms:
             t = _pad_left(t, x.ndim)

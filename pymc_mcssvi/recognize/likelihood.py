@@ -107,6 +107,7 @@ def likelihood_term(
             if point is None or not _entrywise_in_predictor(replaced, placeholder, shape, point):
                 continue
         form = lin(eta)
+        check_indices(name, lin)
         return PredictorTerm(
             name=name,
             eta_shape=shape,
@@ -117,6 +118,38 @@ def likelihood_term(
             form=_form_of(form.terms),
         )
     return None
+
+
+def check_indices(name: str, lin: _Linearizer) -> None:
+    """Grouping indices must lie in ``[0, n_groups)``.
+
+    PyTensor would wrap negative indices around silently (``a[-1]`` is the last
+    group) and raise an opaque error for too large ones; both are user errors.
+    """
+    from pymc_mcssvi.exceptions import UnsupportedModelError
+
+    names = {i: v.name for v, i in lin.wrt.items()}
+    for sources, idx, length in lin.gathers:
+        try:
+            values = np.asarray(idx.eval(mode="FAST_COMPILE"))
+            n = (
+                int(length)
+                if isinstance(length, int)
+                else int(np.asarray(length.eval(mode="FAST_COMPILE")))
+            )
+        except Exception:
+            continue
+        if values.size == 0:
+            continue
+        bad = (values < 0) | (values >= n)
+        if bad.any():
+            label = idx.name or "a grouping index"
+            raise UnsupportedModelError(
+                name,
+                f"{label} has values outside [0, {n}) (found {values[bad].min()} .. {values[bad].max()}); "
+                f"it indexes {', '.join(repr(names[i]) for i in sorted(sources))}, which has {n} groups",
+                "encode groups as 0, 1, ..., n_groups - 1 (e.g. pd.factorize) and size the latent to match",
+            )
 
 
 def _entrywise_in_predictor(logp, placeholder, shape, point) -> bool:

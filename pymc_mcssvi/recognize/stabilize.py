@@ -16,6 +16,8 @@ import pytensor.tensor as pt
 from pytensor.graph.basic import Constant
 from pytensor.graph.rewriting.basic import in2out, node_rewriter
 from pytensor.graph.rewriting.utils import rewrite_graph
+from pytensor.scalar import math as ps_math
+from pytensor.tensor.elemwise import Elemwise
 from pytensor.tensor.math import erfc, log, log1p, mul, neg, sub
 
 __all__ = ["stable_logp"]
@@ -78,6 +80,20 @@ def _log1p_minus_half_erfc(fgraph, node):
     return [np.log(0.5) + pt.log(pt.erfc(-match[1]))]
 
 
+@node_rewriter([Elemwise])
+def _softplus_to_ufuncs(fgraph, node):
+    """``softplus(x) -> max(x, 0) + log1p(exp(-|x|))``.
+
+    The same stable value, written with operations that have NumPy ufuncs:
+    PyTensor's scalar softplus has none and runs as a Python loop per element
+    when the step is not compiled.
+    """
+    if not isinstance(node.op.scalar_op, ps_math.Softplus):
+        return None
+    (x,) = node.inputs
+    return [pt.maximum(x, 0.0) + pt.log1p(pt.exp(-pt.abs(x)))]
+
+
 def stable_logp(logp):
     """Rewrite a log density graph into numerically stable form.
 
@@ -93,4 +109,5 @@ def stable_logp(logp):
     logp = rewrite_graph(
         logp, custom_rewrite=in2out(_log_scaled_erfc, _log1p_minus_half_erfc), clone=True
     )
-    return rewrite_graph(logp, include=("canonicalize", "stabilize"))
+    logp = rewrite_graph(logp, include=("canonicalize", "stabilize"))
+    return rewrite_graph(logp, include=(), custom_rewrite=in2out(_softplus_to_ufuncs), clone=True)

@@ -63,7 +63,9 @@ def test_default_stops_at_convergence_and_hist_is_negative_elbo(data):
 
 def test_sample_returns_constrained_draws_with_dims(data):
     with linreg(*data) as model:
-        approx = pm.fit(method="mcssvi", progressbar=False, random_seed=1)
+        approx = pm.fit(
+            method="mcssvi", progressbar=False, random_seed=1, inf_kwargs={"hyper": "point"}
+        )
         idata = approx.sample(300, random_seed=2)
         ppc = pm.sample_posterior_predictive(idata, progressbar=False, random_seed=3)
     post = idata.posterior
@@ -79,9 +81,19 @@ def test_sample_returns_constrained_draws_with_dims(data):
     assert set(model.named_vars) >= {"w", "b0", "sigma"}
 
 
+def test_meanfield_hyperparameters_are_sampled(data):
+    with linreg(*data):
+        approx = pm.fit(method="hmcssvi", progressbar=False, random_seed=1)
+        idata = approx.sample(500, random_seed=2)
+    sigma = idata.posterior["sigma"]
+    assert float(sigma.std()) > 0.01
+    assert "point_estimates" not in idata.posterior.attrs
+    assert approx.std_data["sigma_log__"] > 0
+
+
 def test_mean_std_cov_views(data):
     with linreg(*data):
-        approx = pm.fit(method="mcssvi", progressbar=False)
+        approx = pm.fit(method="mcssvi", progressbar=False, inf_kwargs={"hyper": "point"})
     mean, std, cov = approx.mean.eval(), approx.std.eval(), approx.cov.eval()
     order = approx.ordering
     assert set(order) == {"b0", "w", "sigma_log__"}

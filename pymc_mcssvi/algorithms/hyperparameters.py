@@ -1,0 +1,270 @@
+r"""Hyperparameters: point estimates or a Gaussian q in PyMC's unconstrained space.
+
+Free variables that are neither Gaussian globals nor locals (scales, shapes,
+cutpoints, LKJ factors ...) are collected in one unconstrained vector ``h``
+(ARCHITECTURE.md §5). Two treatments:
+
+``"point"`` (:class:`PointHyperparameters`)
+    type-II ML / MAP of the bound: after each q-update a damped Newton step
+    ``h <- h + rho |H_h|^{-1} g_h`` with the exact gradient and Hessian of the
+    bound in ``h`` (saddle-free: eigenvalues in absolute value), or a
+    first-order rule (the paper's Adagrad). The step size ``rho`` and its
+    backtracking are shared with q.
+``"meanfield"`` (:class:`MeanFieldHyperparameters`)
+    ``q(h) = N(mu_h, P_h^{-1})`` independent of q(w). Expectations over q(h)
+    use deterministic sigma points ``h_j = mu_h + L_h^{-T} z_j`` (the unscented
+    rule, exact for cubics), so the bound stays a deterministic function of the
+    variational parameters and backtracking remains valid. q(w)'s natural step
+    uses ``g`` and ``H`` averaged over the ``h_j`` (``E_q(h)[Pp]``,
+    ``E_q(h)[Pp mu]``); q(h) takes the same natural-gradient step as a Gaussian
+    global with ``g_h = E[grad_h B]`` and ``H_h = E[hess_h B]``, the latter from
+    gradients only through Stein's lemma.
+
+Both modes expose the same three methods to the step kernel: ``evaluate``
+(replace the hyperparameter value variables in the bound graphs and return
+averaged outputs), ``updates`` (accept/reject and step) and ``reset``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pytensor
+import pytensor.tensor as pt
+from pytensor.gradient import jacobian
+from pytensor.graph.replace import graph_replace, vectorize_graph
+
+from pymc_mcssvi.algorithms.optimizers import Optimizer
+from pymc_mcssvi.families.gaussian import GaussianBlocks, entropy, natural_step
+from pymc_mcssvi.recognize.graph import depends_on_any
+
+__all__ = [
+    "HyperSpec",
+    "MeanFieldHyperparameters",
+    "PointHyperparameters",
+    "newton_direction",
+    "sigma_points",
+]
+
+
+@dataclass
+class HyperSpec:
+    """The hyperparameters of a model in PyMC's unconstrained space.
+
+    Attributes
+    ----------
+    values : list of TensorVariable
+        The model's value variables of the hyperparameters.
+    shapes : list of tuple
+    init : np.ndarray
+        Flat initial point.
+    optimizer : Optimizer or None
+        ``"point"`` mode: first-order rule, or ``None`` for Newton steps.
+    max_step : float
+        Largest change of any unconstrained coordinate in one step.
+    init_sd : float
+        ``"meanfield"`` mode: initial standard deviation of q(h).
+    """
+
+    values: list
+    shapes: list
+    init: np.ndarray
+    optimizer: Optimizer | None = None
+    max_step: float = 1.0
+    init_sd: float = 0.1
+
+    @property
+    def size(self) -> int:
+        return int(self.init.size)
+
+    def replacements(self, flat):
+        out, off = {}, 0
+        for v, shp in zip(self.values, self.shapes, strict=True):
+            n = int(np.prod(shp, dtype=int))
+            out[v] = flat[off : off + n].reshape(shp).astype(v.dtype)
+            off += n
+        return out
+
+
+def newton_direction(grad, hess, floor=1e-8):
+    """Ascent direction ``|H|^{-1} g`` for maximizing a function of a few variables.
+
+    Notes
+    -----
+    Eigenvalues of the Hessian are replaced by their absolute values (floored),
+    so the direction is Newton's near a maximum and still an ascent direction
+    where the bound is not concave in ``h`` (saddle-free Newton).
+    """
+    H = 0.5 * (hess + hess.T)
+    lam, V = pt.linalg.eigh(H)
+    scale = pt.maximum(pt.abs(lam), floor * pt.maximum(pt.max(pt.abs(lam)), 1.0))
+    return V @ ((V.T @ grad) / scale)
+
+
+def sigma_points(dim: int) -> tuple[np.ndarray, np.ndarray]:
+    """Unscented-transform points ``z`` (``J x dim``) and weights for ``N(0, I)``.
+
+    ``kappa = max(3 - dim, 0)``: with ``dim <= 2`` the rule matches the fourth
+    moments along each axis (for ``dim = 1`` it is 3-point Gauss-Hermite).
+
+    Examples
+    --------
+    >>> z, w = sigma_points(2)
+    >>> float(w @ z[:, 0] ** 2), float(w @ z[:, 0] ** 4)
+    (1.0, 3.0...)
+    """
+    kappa = max(3.0 - dim, 0.0)
+    r = np.sqrt(dim + kappa)
+    pts = [np.zeros(dim)] if kappa > 0 else []
+    wts = [kappa / (dim + kappa)] if kappa > 0 else []
+    for i in range(dim):
+        for sign in (1.0, -1.0):
+            e = np.zeros(dim)
+            e[i] = sign * r
+            pts.append(e)
+            wts.append(1.0 / (2.0 * (dim + kappa)))
+    return np.array(pts), np.array(wts)
+
+
+def _shared(value, name):
+    value = np.asarray(value, dtype="float64")
+    return pytensor.shared(value, name=name, shape=value.shape)
+
+
+def _finite(*xs):
+    return pt.all(pt.stack([pt.all(pt.isfinite(x)) for x in xs]))
+
+
+def _safe(x):
+    return pt.switch(pt.isfinite(x), x, 0.0)
+
+
+class PointHyperparameters:
+    """Type-II ML / MAP estimates of the hyperparameters (see the module docstring)."""
+
+    mode = "point"
+
+    def __init__(self, spec: HyperSpec):
+        self.spec = spec
+        n = spec.size
+        self.base = _shared(spec.init, "base_hyper")
+        self.cand = _shared(spec.init, "cand_hyper")
+        self.base_grad = _shared(np.zeros(n), "base_hyper_grad")
+        self.base_hess = _shared(-np.eye(n), "base_hyper_hess")
+        opt0 = spec.optimizer.init(spec.init) if spec.optimizer else ()
+        self.base_opt = tuple(_shared(x, f"base_hyper_opt_{i}") for i, x in enumerate(opt0))
+        self.cand_opt = tuple(_shared(x, f"cand_hyper_opt_{i}") for i, x in enumerate(opt0))
+
+    def evaluate(self, outputs):
+        """Outputs at the candidate ``h``, plus finiteness and the derivatives in ``h``."""
+        outs = graph_replace(outputs, self.spec.replacements(self.cand), strict=False)
+        value = outs[0]
+        ok = pt.isfinite(value)
+        grad = pt.grad(pt.switch(ok, value, 0.0), self.cand)
+        hess = jacobian(grad, self.cand, vectorize=True) if self.spec.optimizer is None else None
+        finite = _finite(grad) if hess is None else _finite(grad, hess)
+        return outs, finite, (grad, hess)
+
+    def updates(self, accept, rho, scale, t, aux):
+        grad, hess = aux
+        sel = lambda a, b: pt.switch(accept, a, b)  # noqa: E731
+        g = sel(grad, self.base_grad)
+        h_base = sel(self.cand, self.base)
+        up = {self.base: h_base, self.base_grad: g}
+        if self.spec.optimizer is None:
+            H = sel(hess, self.base_hess)
+            up[self.base_hess] = H
+            delta = rho * newton_direction(_safe(g), _safe(H))
+        else:
+            opt = self.spec.optimizer
+            restarted = opt.restart(self.base_opt)
+            state = tuple(
+                pt.switch(accept, c, b) for c, b in zip(self.cand_opt, restarted, strict=True)
+            )
+            delta, nxt = opt.update(_safe(g), state, scale, t)
+            up.update(dict(zip(self.base_opt, state, strict=True)))
+            up.update(dict(zip(self.cand_opt, nxt, strict=True)))
+        cap = self.spec.max_step
+        delta = delta * pt.minimum(1.0, cap / pt.maximum(pt.max(pt.abs(delta)), 1e-12))
+        up[self.cand] = h_base + delta
+        return up
+
+    def reset(self):
+        self.cand.set_value(self.base.get_value())
+
+    def sampling_point(self):
+        """Shared vector of the accepted estimate (unconstrained)."""
+        return self.base
+
+
+class MeanFieldHyperparameters:
+    """Gaussian q(h), independent of q(w), fitted with natural-gradient steps."""
+
+    mode = "meanfield"
+
+    def __init__(self, spec: HyperSpec):
+        self.spec = spec
+        n = spec.size
+        L0 = np.eye(n)[None] / spec.init_sd
+        self.base_mean = _shared(spec.init[None], "base_hyper_mean")
+        self.base_factor = _shared(L0, "base_hyper_factor")
+        self.cand_mean = _shared(spec.init[None], "cand_hyper_mean")
+        self.cand_factor = _shared(L0, "cand_hyper_factor")
+        self.base_grad = _shared(np.zeros((1, n)), "base_hyper_grad")
+        self.base_hess = _shared(-np.eye(n)[None] / spec.init_sd**2, "base_hyper_hess")
+        self.z, self.w = sigma_points(n)
+
+    def _draws(self, state: GaussianBlocks):
+        # h_j = mu + L^{-T} z_j
+        A = pt.linalg.solve_triangular(state.factor[0], pt.eye(self.spec.size), lower=True).T
+        return state.mean + pt.constant(self.z) @ A.T
+
+    def evaluate(self, outputs):
+        """Sigma-point averages of the outputs and of the derivatives in ``h``."""
+        h = pt.vector("h_draw", shape=(self.spec.size,))
+        outs = graph_replace(outputs, self.spec.replacements(h), strict=False)
+        value = outs[0]
+        grad = pt.grad(pt.switch(pt.isfinite(value), value, 0.0), h)
+        st = GaussianBlocks(self.cand_mean, self.cand_factor)
+        draws = self._draws(st)
+        singles = [*outs, grad]
+        batched = vectorize_graph(singles, {h: draws})
+        w = pt.constant(self.w)
+        # Outputs that do not involve h are left unbatched by vectorize_graph.
+        avgs = [
+            pt.tensordot(w, b, axes=[[0], [0]]) if depends_on_any(x, [h]) else b
+            for x, b in zip(singles, batched, strict=True)
+        ]
+        outs_avg, g_h = avgs[: len(outs)], avgs[-1]
+        # Stein's lemma, E[grad B (h - mu)^T] = E[hess B] S, on the sigma points: a
+        # central difference of gradients, exact for quadratic B, no second derivatives.
+        grads = batched[-1]
+        L = st.factor[0]
+        C = (grads * w[:, None]).T @ (draws - st.mean)
+        H_h = C @ (L @ L.T)
+        H_h = 0.5 * (H_h + H_h.T)
+        outs_avg[0] = outs_avg[0] + entropy(st, "precision")
+        finite = _finite(g_h, H_h)
+        return outs_avg, finite, (g_h, H_h)
+
+    def updates(self, accept, rho, scale, t, aux):
+        g_h, H_h = aux
+        sel = lambda a, b: pt.switch(accept, a, b)  # noqa: E731
+        mean = sel(self.cand_mean, self.base_mean)
+        factor = sel(self.cand_factor, self.base_factor)
+        g = sel(g_h[None], self.base_grad)
+        H = sel(H_h[None], self.base_hess)
+        nxt = natural_step(GaussianBlocks(mean, factor), _safe(g), _safe(H), rho)
+        return {
+            self.base_mean: mean,
+            self.base_factor: factor,
+            self.base_grad: g,
+            self.base_hess: H,
+            self.cand_mean: nxt.mean,
+            self.cand_factor: nxt.factor,
+        }
+
+    def reset(self):
+        self.cand_mean.set_value(self.base_mean.get_value())
+        self.cand_factor.set_value(self.base_factor.get_value())

@@ -102,6 +102,14 @@ QUICK = dict(
 )
 
 
+def loadavg():
+    """1-minute load average (NaN where unavailable)."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return np.nan
+
+
 def log(msg):
     load = ""
     try:
@@ -313,6 +321,7 @@ def fit_pymc(model, method, n, seed, *, every=1, first=0, **kwargs):
     rec = IterationRecorder(snapshot_params, every=every, first=first)
     err = None
     approx = None
+    load0, c0 = loadavg(), time.process_time()
     rec.start()
     t0 = time.perf_counter()
     try:
@@ -328,6 +337,8 @@ def fit_pymc(model, method, n, seed, *, every=1, first=0, **kwargs):
     except Exception as e:  # record failures (NaN in ADVI, divergence, ...)
         err = f"{type(e).__name__}: {str(e).splitlines()[0]}"
     wall = time.perf_counter() - t0
+    rec.cpu = time.process_time() - c0
+    rec.load = (load0, loadavg())
     return approx, rec, wall, err
 
 
@@ -341,6 +352,7 @@ def run_structured(model, method, cfg, seed, max_iter):
         model, method, None, seed, every=every, first=50, max_iter=max_iter
     )
     run.rec, run.wall, run.error = rec, wall, err
+    run.extra.update(cpu=rec.cpu, load=rec.load)
     if approx is not None:
         run.hist = np.asarray(approx.hist)
         run.iterations = int(approx.n_iter)
@@ -366,6 +378,8 @@ def warm_structured(run, model, method, seed, max_iter, full):
         "iterations": None if approx is None else int(approx.n_iter),
         "measured": full,
         "error": err,
+        "cpu": rec.cpu,
+        "load": rec.load,
     }
     if full and approx is not None:
         run.warm["same_result"] = bool(np.allclose(approx.hist, run.hist))
@@ -398,6 +412,7 @@ def run_pymc_vi(name, spec_model, fallback_model, method, n, cfg, seed, obj_opti
             run.evaluate = make_evaluator(approx)
             run.final = run.evaluate()
             run.extra["model"] = label
+            run.extra.update(cpu=rec.cpu, load=rec.load)
             log(f"{name}: done in {wall:.1f} s, final loss {np.mean(run.hist[-100:]):.6g}")
             return run
         run.notes.append(f"{label} model: {err} after {len(rec.times)} iterations ({wall:.1f} s)")
@@ -419,6 +434,7 @@ def warm_pymc_vi(run, model, method, n, seed, obj_optimizer=None):
         "iterations": n,
         "measured": False,
         "error": err,
+        "load": rec.load,
     }
     log(f"{run.name}: warm short fit ({n} it.) setup {run.warm['setup']:.2f} s")
 
@@ -441,8 +457,10 @@ def run_numpyro(name, data, cfg, seed, lr, steps, chunk):
 
     Xj, yj = jnp.asarray(data.X), jnp.asarray(data.y)
     every = max(1, (steps // chunk) // cfg["checkpoints"])
+    run = Run(name, "numpyro")
 
     def fit(n_steps, snapshots=True):
+        load0, c0 = loadavg(), time.process_time()
         t0 = time.perf_counter()
         guide = AutoMultivariateNormal(model)
         svi = SVI(model, guide, Adam(lr), Trace_ELBO())
@@ -482,9 +500,10 @@ def run_numpyro(name, data, cfg, seed, lr, steps, chunk):
             np.asarray(p["auto_loc"], dtype="float64"),
             np.asarray(p["auto_scale_tril"], dtype="float64"),
         )
+        run.extra.setdefault("cpu", time.process_time() - c0)
+        run.extra.setdefault("load", (load0, loadavg()))
         return np.asarray(times), np.concatenate(losses), snaps, wall, final
 
-    run = Run(name, "numpyro")
     log(f"{name}: {steps} steps")
     try:
         times, losses, snaps, wall, final = fit(steps)
@@ -540,6 +559,7 @@ def run_nuts(model, cfg, seed, key, reuse):
     import pymc as pm
 
     log(f"NUTS: {cfg['nuts_tune']} tune + {cfg['nuts_draws']} draws, 2 chains, 2 cores")
+    load0 = loadavg()
     t0 = time.perf_counter()
     with model:
         idata = pm.sample(
@@ -564,6 +584,7 @@ def run_nuts(model, cfg, seed, key, reuse):
         "tree_depth_mean": np.asarray(float(np.mean(stats["tree_depth"].values))),
         "n_steps_mean": np.asarray(float(np.mean(stats["n_steps"].values))),
         "chains": np.asarray(w.shape[0]),
+        "load": np.asarray([load0, loadavg()]),
     }
     CACHE.mkdir(parents=True, exist_ok=True)
     np.savez_compressed(path, **out)
@@ -806,6 +827,12 @@ def passes_to_optimum(hist, optimum, rel=1e-4):
 
 
 # ========================================================================= report
+def _load_str(load):
+    if load is None or len(load) != 2:
+        return "–"
+    return f"{fmt(load[0], '.1f')} → {fmt(load[1], '.1f')}"
+
+
 def report(results, meta, path_json, docs_path=None):
     R = results["methods"]
     order = [r for r in R if r in results["methods"]]
@@ -830,6 +857,8 @@ def report(results, meta, path_json, docs_path=None):
                 f"{fmt(pl.get('time'), '.1f')} ({fmt(pl.get('iteration'), 'd') if pl.get('iteration') else '–'})",
                 fmt(r.get("time_to_nuts_accuracy"), ".1f"),
                 fmt(r.get("passes_to_optimum"), "d") if r.get("passes_to_optimum") else "–",
+                fmt(r.get("cpu"), ".1f"),
+                _load_str(r.get("load")),
             ]
         )
         if "rms_z" in r:
@@ -858,6 +887,8 @@ def report(results, meta, path_json, docs_path=None):
             "–",
             "–",
             "–",
+            "–",
+            _load_str(nuts.get("load")),
         ]
     )
     speed = common.markdown_table(
@@ -871,6 +902,8 @@ def report(results, meta, path_json, docs_path=None):
             "to 1% of own final loss [s] (iter)",
             "to NUTS accuracy [s]",
             "passes to 0.01% of optimum",
+            "cold CPU [s]",
+            "load (1 min) start → end",
         ],
         speed_rows,
     )
@@ -934,6 +967,10 @@ cores=2, nuts_sampler="pymc")`. PyTensor compile cache: {meta["cache"]}.
   `pm.fit` / building the SVI object to the end). *warm*: a second fresh fit of the same
   model. Values marked `*` are derived (cold time − cold setup + warm setup, with the warm
   setup measured by a short second fit), the others are measured.
+- *cold CPU*: CPU time of this process during the cold fit (all its threads; compare with the
+  wall time to see the effect of other jobs, and of BLAS threads: CPU > wall means several cores).
+  *load*: the 1-minute load average before and after the cold fit (2 cores: load above 2 means
+  other jobs competed for the CPUs).
 - *setup*: time before the first iteration (recognition, graph building, compilation),
   estimated as the time of the first iteration minus a median iteration.
 - *to 1% of own final loss*: first time after which the loss (moving average over 1% of

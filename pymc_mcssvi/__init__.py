@@ -11,13 +11,13 @@ with :func:`pymc.fit`::
     idata = approx.sample(1000)
 """
 
+from pymc_mcssvi import models
 from pymc_mcssvi.distributions import Rayleigh
 from pymc_mcssvi.exceptions import DivergenceError, UnsupportedModelError
 from pymc_mcssvi.pymc.approximation import StructuredApproximation
 from pymc_mcssvi.pymc.inference import HMCSSVI, MCSSVI, SDSVI, StructuredVI
 from pymc_mcssvi.pymc.registration import register as _register
 from pymc_mcssvi.recognize.describe import ModelDescription, describe
-from pymc_mcssvi.recognize.model import recognize
 
 __all__ = [
     "HMCSSVI",
@@ -30,7 +30,7 @@ __all__ = [
     "StructuredVI",
     "UnsupportedModelError",
     "describe",
-    "recognize",
+    "models",
 ]
 
 __version__ = "0.1.0.dev0"

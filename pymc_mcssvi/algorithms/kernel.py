@@ -51,9 +51,18 @@ class StepKernel:
     """
 
     def __init__(
-        self, bound, algorithm, schedule, init_means, init_factors, hypers=None, monotone=True
+        self,
+        bound,
+        algorithm,
+        schedule,
+        init_means,
+        init_factors,
+        hypers=None,
+        monotone=True,
+        rayleighs=None,
     ):
         self.bound = bound
+        self.rayleighs = rayleighs
         self.algorithm = algorithm
         self.schedule = schedule
         self.hypers = hypers
@@ -104,11 +113,18 @@ class StepKernel:
         ev = self.bound.evaluate(cand)
         outs = [ev.value, *ev.grads, *ev.hessians]
         haux = None
+        if self.rayleighs is not None:
+            outs = self.rayleighs.evaluate(outs)
         finite = pt.isfinite(outs[0])
         if self.hypers is not None:
             outs, hfinite, haux = self.hypers.evaluate(outs)
             finite = pt.isfinite(outs[0]) & hfinite
         value, grads, hessians = outs[0], outs[1 : 1 + self.nseg], outs[1 + self.nseg :]
+        rgrads = None
+        if self.rayleighs is not None:
+            rgrads = self.rayleighs.gradients(value)
+            for x in rgrads:
+                finite = finite & pt.isfinite(x)
         for x in [*grads, *hessians]:
             finite = finite & pt.all(pt.isfinite(x))
         if self.monotone:
@@ -150,6 +166,8 @@ class StepKernel:
         updates[self.t] = t
         if self.hypers is not None:
             updates.update(self.hypers.updates(accept, rho, scale, t, haux))
+        if self.rayleighs is not None:
+            updates.update(self.rayleighs.updates(accept, rho, scale, t, rgrads))
         outputs = [new_bound, value, pt.cast(accept, "int8"), rho]
         return outputs, updates
 
@@ -160,6 +178,8 @@ class StepKernel:
             self.cand_factor[s].set_value(self.base_factor[s].get_value())
         if self.hypers is not None:
             self.hypers.reset()
+        if self.rayleighs is not None:
+            self.rayleighs.reset()
 
 
 def _select_tree(cond, a, b):

@@ -66,15 +66,6 @@ class StructuredBound:
         fixed_draws: bool = True,
         seed: int = 0,
     ):
-        if tlm.locals or tlm.rayleighs:
-            from pymc_mcssvi.exceptions import UnsupportedModelError
-
-            v = (tlm.locals or tlm.rayleighs)[0]
-            raise UnsupportedModelError(
-                v.name,
-                "marginalizing local variables and fitting Rayleigh globals is not implemented in this version",
-                "use pm.fit(method='advi') for this model for now",
-            )
         self.tlm = tlm
         self.parameterization = parameterization
         self.estimator = estimator

@@ -93,10 +93,10 @@ def expected_derivatives(
     if method == "quadrature":
         z, w = gauss_hermite(int(n_points))
         z = pt.constant(z.reshape((-1,) + (1,) * placeholder.ndim))
-        w = pt.constant(w.reshape((-1,) + (1,) * logp.ndim))
         points = mean[None] + sd[None] * z
         vals = vectorize_graph(list(graphs), {placeholder: points})
-        out = [pt.sum(w * v, axis=0) for v in vals]
+        # l has the shape of logp, l' and l'' that of the predictor.
+        out = [pt.tensordot(pt.constant(w), v, axes=[[0], [0]]) for v in vals]
     elif method == "mc":
         shape = (int(n_points), *[mean.shape[i] for i in range(mean.ndim)])
         z = pt.random.normal(size=shape, rng=rng)

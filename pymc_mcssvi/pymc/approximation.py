@@ -126,6 +126,47 @@ class PointGroup(Group):
         return pt.zeros((self.ddim, self.ddim))
 
 
+@Group.register
+class RayleighGroup(Group):
+    """``q(w) = Rayleigh(sigma_q)`` for scalar positive globals, in PyMC's log space.
+
+    Draws ``log(sigma_q sqrt(2 E))`` with ``E = -log Phi(-z)``, ``z`` the group's
+    standard normal initial draws (an exact transform to ``Exponential(1)``).
+    """
+
+    __param_spec__ = {"rayleigh_scale": ("d",)}
+    short_name = "rayleigh"
+
+    def __init_group__(self, group):
+        super().__init_group__(group)
+        self.scales = self._kwargs["scales"]
+        self.shared_params = {s.name: s for s in self.scales}
+        self._finalize_init()
+
+    def _scale_vector(self):
+        return pt.stack([pt.reshape(s, ()) for s in self.scales])
+
+    @node_property
+    def symbolic_random(self):
+        z = self.symbolic_initial
+        log_phi_minus = pt.log(0.5 * pt.erfc(z / np.sqrt(2.0)))  # log Phi(-z)
+        E = -log_phi_minus
+        return pt.log(self._scale_vector())[None, :] + 0.5 * pt.log(2.0 * E)
+
+    @node_property
+    def mean(self):
+        # E[log(sigma sqrt(2E))] = log sigma + (log 2 - euler_gamma) / 2
+        return pt.log(self._scale_vector()) + 0.5 * (np.log(2.0) - np.euler_gamma)
+
+    @node_property
+    def std(self):
+        return pt.ones((self.ddim,)) * np.sqrt(np.pi**2 / 24.0)
+
+    @node_property
+    def cov(self):
+        return pt.diag(self.std**2)
+
+
 class StructuredApproximation(Approximation):
     """The result of an MC-SSVI / H-MC-SSVI / S-DSVI fit.
 
@@ -144,6 +185,7 @@ class StructuredApproximation(Approximation):
         self.n_iter = 0
         self.converged = None
         self.point_estimates: list[str] = []
+        self.marginal_locals: list[str] = []
 
     @property
     def ordering(self):
@@ -217,9 +259,11 @@ class StructuredApproximation(Approximation):
             out = super().sample(
                 draws, random_seed=random_seed, return_inferencedata=return_inferencedata, **kwargs
             )
-        if return_inferencedata and self.point_estimates:
-            try:
-                out["posterior"].attrs["point_estimates"] = list(self.point_estimates)
-            except Exception:  # pragma: no cover - depends on the ArviZ container
-                pass
+        if return_inferencedata:
+            for key, names in (
+                ("point_estimates", self.point_estimates),
+                ("marginal_locals", self.marginal_locals),
+            ):
+                if names:
+                    out["posterior"].attrs[key] = list(names)
         return out

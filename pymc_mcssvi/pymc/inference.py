@@ -31,6 +31,7 @@ from pymc_mcssvi.algorithms.hyperparameters import (
 from pymc_mcssvi.algorithms.kernel import StepKernel
 from pymc_mcssvi.algorithms.mcssvi import MCSSVIStep
 from pymc_mcssvi.algorithms.optimizers import make_optimizer
+from pymc_mcssvi.algorithms.rayleigh import RayleighGlobals
 from pymc_mcssvi.algorithms.schedules import make_schedule
 from pymc_mcssvi.algorithms.sdsvi import SDSVIStep
 from pymc_mcssvi.bounds.structured import StructuredBound
@@ -38,9 +39,11 @@ from pymc_mcssvi.estimators.general import flat_indices
 from pymc_mcssvi.exceptions import DivergenceError
 from pymc_mcssvi.pymc.approximation import (
     PointGroup,
+    RayleighGroup,
     StructuredApproximation,
     StructuredGaussianGroup,
 )
+from pymc_mcssvi.pymc.locals import LocalGroup, initial_local_params, local_posteriors
 from pymc_mcssvi.recognize.model import recognize
 
 __all__ = ["HMCSSVI", "MCSSVI", "SDSVI", "StructuredVI"]
@@ -98,6 +101,16 @@ class StructuredVI(Inference):
         Draws of the Monte Carlo + autodiff estimator for non-affine terms.
     fixed_draws : bool, optional
         Reuse those draws every iteration (default: for full-batch fits).
+    bound : {"optimal", "jensen"}
+        Marginalize local latents inside the log (the optimal structured bound,
+        paper eq. vlbi; default) or outside it (the Jensen bound, eq. vlb).
+    inner : {"quadrature", "mc"}
+        Gauss-Hermite quadrature or fresh Monte Carlo draws (the paper: 100) for
+        the integral over a Gaussian local.
+    n_inner : int
+        Nodes (or draws) of that integral.
+    n_rayleigh_nodes : int
+        Gauss-Laguerre nodes for expectations over a Rayleigh global's q.
     """
 
     algorithm_cls = MCSSVIStep
@@ -124,93 +137,83 @@ class StructuredVI(Inference):
         n_points=12,
         n_draws=64,
         fixed_draws=None,
+        bound="optimal",
+        inner="quadrature",
+        n_inner=12,
+        n_rayleigh_nodes=6,
     ):
         self.model = pm.modelcontext(model)
         self.random_seed = random_seed
-        with pytensor.config.change_flags(mode=HELPER_MODE):
-            self._setup(
-                start,
-                start_sigma,
-                cov,
-                hyper,
-                schedule,
-                rho0,
-                tau,
-                kappa,
-                mean_optimizer,
-                factor_optimizer,
-                hyper_optimizer,
-                estimator,
-                n_points,
-                n_draws,
-                fixed_draws,
-            )
+        if hyper not in ("point", "meanfield"):
+            raise ValueError(f"hyper must be 'point' or 'meanfield', got {hyper!r}")
+        self.hyper_mode = hyper
         self.hist = np.asarray(())
         self.state = None
         self._step_fns = {}
         self._rejections = 0
         self.backend_used = None
-
-    def _setup(
-        self,
-        start,
-        start_sigma,
-        cov,
-        hyper,
-        schedule,
-        rho0,
-        tau,
-        kappa,
-        mean_optimizer,
-        factor_optimizer,
-        hyper_optimizer,
-        estimator,
-        n_points,
-        n_draws,
-        fixed_draws,
-    ):
-        random_seed = self.random_seed
-        if hyper not in ("point", "meanfield"):
-            raise ValueError(f"hyper must be 'point' or 'meanfield', got {hyper!r}")
-        self.hyper_mode = hyper
-        t0 = time.perf_counter()
-        self.tlm = recognize(self.model, cov=cov)
-        self.recognition_time = time.perf_counter() - t0
-        minibatch = self.tlm.minibatch
-        sched_kw = {"tau": tau, "kappa": kappa}
-        if rho0 is not None:
-            sched_kw["rho0"] = rho0
-        self.schedule = make_schedule(schedule, minibatch=minibatch, **sched_kw)
-        if fixed_draws is None:
-            fixed_draws = not minibatch
-        self.algorithm = self._make_algorithm(mean_optimizer, factor_optimizer)
-        seed = (
-            0
-            if random_seed is None
-            else int(np.random.SeedSequence(random_seed).generate_state(1)[0])
-        )
-        self.bound = StructuredBound(
-            self.tlm,
-            parameterization=self.algorithm.parameterization,
-            estimator=estimator,
-            n_points=n_points,
-            n_draws=n_draws,
-            fixed_draws=fixed_draws,
-            seed=seed,
-        )
-        deterministic = (estimator == "quadrature") and (fixed_draws or not self.tlm.general_terms)
-        monotone = self.schedule.monotone and deterministic and not minibatch
-        hyper_opt = None if hyper_optimizer == "newton" else make_optimizer(hyper_optimizer, 0.05)
-        means, factors, hyper_spec = self._initial_state(start, start_sigma, hyper_opt)
-        hypers = None
-        if hyper_spec is not None:
-            hypers = (PointHyperparameters if hyper == "point" else MeanFieldHyperparameters)(
-                hyper_spec
+        with pytensor.config.change_flags(mode=HELPER_MODE):
+            t0 = time.perf_counter()
+            self.tlm = recognize(self.model, cov=cov, bound=bound, inner=inner, n_inner=n_inner)
+            self.recognition_time = time.perf_counter() - t0
+            minibatch = self.tlm.minibatch
+            sched_kw = {"tau": tau, "kappa": kappa}
+            if rho0 is not None:
+                sched_kw["rho0"] = rho0
+            self.schedule = make_schedule(schedule, minibatch=minibatch, **sched_kw)
+            if fixed_draws is None:
+                fixed_draws = not minibatch
+            self.algorithm = self._make_algorithm(mean_optimizer, factor_optimizer)
+            seed = (
+                0
+                if random_seed is None
+                else int(np.random.SeedSequence(random_seed).generate_state(1)[0])
             )
-        self.kernel = StepKernel(
-            self.bound, self.algorithm, self.schedule, means, factors, hypers, monotone
-        )
-        self._approx = self._make_approximation()
+            self.bound = StructuredBound(
+                self.tlm,
+                parameterization=self.algorithm.parameterization,
+                estimator=estimator,
+                n_points=n_points,
+                n_draws=n_draws,
+                fixed_draws=fixed_draws,
+                seed=seed,
+            )
+            deterministic = (
+                estimator == "quadrature"
+                and inner == "quadrature"
+                and (fixed_draws or not self.tlm.general_terms)
+            )
+            monotone = self.schedule.monotone and deterministic and not minibatch
+            hyper_opt = (
+                None if hyper_optimizer == "newton" else make_optimizer(hyper_optimizer, 0.05)
+            )
+            means, factors, hyper_spec = self._initial_state(start, start_sigma, hyper_opt)
+            hypers = None
+            if hyper_spec is not None:
+                cls = PointHyperparameters if hyper == "point" else MeanFieldHyperparameters
+                hypers = cls(hyper_spec)
+            rayleighs = None
+            if self.tlm.rayleighs:
+                natural = self.algorithm.parameterization == "precision"
+                opt = self.algorithm.mean_optimizer or make_optimizer(("adam", 0.05), 0.05)
+                rayleighs = RayleighGlobals(
+                    self.model,
+                    self.tlm.rayleighs,
+                    natural=natural,
+                    optimizer=opt,
+                    n_nodes=n_rayleigh_nodes,
+                )
+            self.kernel = StepKernel(
+                self.bound,
+                self.algorithm,
+                self.schedule,
+                means,
+                factors,
+                hypers,
+                monotone,
+                rayleighs,
+            )
+            self._approx = self._make_approximation()
 
     # ------------------------------------------------------------------ set-up
     def _make_algorithm(self, mean_optimizer, factor_optimizer):
@@ -292,9 +295,26 @@ class StructuredVI(Inference):
                     factors=[k.hypers.base_factor],
                 )
             )
+        if tlm.rayleighs:
+            groups.append(
+                RayleighGroup(
+                    [r.rv for r in tlm.rayleighs], model=self.model, scales=k.rayleighs.base
+                )
+            )
+        if tlm.locals:
+            groups.append(self._local_group())
         approx = StructuredApproximation(groups, model=self.model)
         approx.point_estimates = [h.name for h in tlm.hypers] if self.hyper_mode == "point" else []
         return approx
+
+    def _local_group(self):
+        self._local_params = initial_local_params(self.tlm.locals)
+        return LocalGroup(
+            [lc.rv for lc in self.tlm.locals],
+            model=self.model,
+            locals=self.tlm.locals,
+            local_params=self._local_params,
+        )
 
     @property
     def approx(self):
@@ -437,6 +457,10 @@ class StructuredVI(Inference):
             )
         self.state = i
         self._warn_collapsed_scales()
+        if self.tlm.locals:
+            with pytensor.config.change_flags(mode=HELPER_MODE):
+                local_posteriors(self.model, self.approx, self.tlm.locals, self._local_params)
+            self.approx.marginal_locals = [lc.name for lc in self.tlm.locals]
         return self.approx
 
     def _warn_collapsed_scales(self):

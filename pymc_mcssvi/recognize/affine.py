@@ -76,8 +76,9 @@ class LinearTerm:
 
     def scaled(self, factor) -> LinearTerm:
         """Multiply the coefficients by ``factor`` (broadcast over leading axes)."""
-        factor = pt.as_tensor(factor)
-        factor = pt.shape_padright(factor, 1)
+        factor = pt.shape_padright(pt.as_tensor(factor), 1)
+        if factor.ndim < self.cols.ndim:
+            factor = pt.shape_padleft(factor, self.cols.ndim - factor.ndim)
         vals = factor if self.vals is None else self.vals * factor
         return LinearTerm(self.source, self.cols, vals)
 

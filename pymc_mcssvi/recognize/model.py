@@ -18,10 +18,10 @@ import pytensor.tensor as pt
 from pymc.data import MinibatchOp
 from pymc.variational.minibatch_rv import MinibatchRandomVariable
 from pytensor.graph.basic import Constant
-from pytensor.graph.replace import graph_replace
 from pytensor.graph.traversal import ancestors
 from pytensor.tensor.sharedvar import TensorSharedVariable
 
+from pymc_mcssvi.bounds.locals import marginal_logp
 from pymc_mcssvi.exceptions import UnsupportedModelError
 from pymc_mcssvi.recognize.affine import linearize
 from pymc_mcssvi.recognize.graph import as_float, depends_on_any, remove_checks
@@ -47,7 +47,13 @@ __all__ = ["MAX_GENERAL_DIM", "recognize"]
 MAX_GENERAL_DIM = 2000
 
 
-def recognize(model: pm.Model | None = None, cov: str | dict | None = None) -> TwoLevelModel:
+def recognize(
+    model: pm.Model | None = None,
+    cov: str | dict | None = None,
+    bound: str = "optimal",
+    inner: str = "quadrature",
+    n_inner: int = 12,
+) -> TwoLevelModel:
     """Read a PyMC model as a two-level latent variable model.
 
     Parameters
@@ -57,6 +63,11 @@ def recognize(model: pm.Model | None = None, cov: str | dict | None = None) -> T
     cov : {"auto", "full", "block", "diag"} or dict, optional
         Covariance structure of q per Gaussian global (see
         :func:`~pymc_mcssvi.recognize.layout.resolve_structure`).
+    bound : {"optimal", "jensen"}
+        How local latents are marginalized (:mod:`pymc_mcssvi.bounds.locals`).
+    inner, n_inner
+        Inner quadrature (``"quadrature"``) or Monte Carlo (``"mc"``) for
+        Gaussian locals, and its number of nodes or draws.
 
     Returns
     -------
@@ -104,7 +115,7 @@ def recognize(model: pm.Model | None = None, cov: str | dict | None = None) -> T
         term, const = _prior_term(model, g, gvalues, gshapes)
         predictor_terms.append(term)
         constant_terms.append(const)
-    for h in [*roles.hypers, *roles.rayleighs]:
+    for h in roles.hypers:
         lp = model.logp(vars=[h.rv], jacobian=True, sum=True)
         constant_terms.append(ConstantTerm(f"prior of {h.name}", remove_checks(lp)))
 
@@ -132,22 +143,30 @@ def recognize(model: pm.Model | None = None, cov: str | dict | None = None) -> T
                 "write it with univariate observed variables (one per column), or fit it with "
                 "pm.fit(method='fullrank_advi')",
             )
-        logp = remove_checks(model.logp(vars=[obs], sum=False)[0])
+        suffix = ""
         if obs.name in local_of:
             lc = local_of[obs.name]
-            forms[obs.name] = _local_form(model, lc, gvalues, gshapes, point)
-            continue
+            logp = marginal_logp(model, lc, bound=bound, inner=inner, n_inner=n_inner)
+            suffix = (
+                f", through local {lc.name!r}"
+                if lc.kind == "gaussian"
+                else f", with discrete local {lc.name!r}"
+            )
+            if lc.kind == "gaussian" and inner == "quadrature":
+                _check_marginal_finite(logp, lc, obs, point)
+        else:
+            logp = remove_checks(model.logp(vars=[obs], sum=False)[0])
         if not depends_on_any(logp, gvalues):
             constant_terms.append(ConstantTerm(obs.name, logp))
-            forms[obs.name] = "constant (no Gaussian global)"
+            forms[obs.name] = "constant (no Gaussian global)" + suffix
             continue
         term = likelihood_term(obs.name, logp, gvalues, gshapes, point)
         if term is not None:
             predictor_terms.append(term)
-            forms[obs.name] = form_name(term)
+            forms[obs.name] = form_name(term) + suffix
             continue
         bil = find_bilinear(logp, gvalues, gshapes)
-        forms[obs.name] = "bilinear" if bil is not None else "general"
+        forms[obs.name] = ("bilinear" if bil is not None else "general") + suffix
         if bil is not None:
             bilinear_sources.update(bil[1].sources | bil[2].sources)
         general_terms.append(GeneralTerm(obs.name, logp, forms[obs.name]))
@@ -308,30 +327,30 @@ def _prior_term(model, g: GaussianGlobal, gvalues, gshapes):
     return term, ConstantTerm(f"normalizer of {g.name}", const)
 
 
-def _local_form(model, lc, gvalues, gshapes, point) -> str:
-    """Predictor form of an observed variable reached through a local latent.
+def _check_marginal_finite(logp, lc, obs, point):
+    """The marginal over a Gaussian local must be finite for every observation.
 
-    The local is replaced by a representative value (its prior location for a
-    Gaussian local, ones for a discrete one) and the observed log density is
-    analysed as usual.
+    A likelihood with a restricted parameter (a Poisson rate ``f`` without a
+    positive link, a Beta mean ...) gets ``log 0`` at the quadrature nodes that
+    fall outside its support: the Gaussian local cannot be integrated out.
     """
-    obs = model[lc.observed]
-    logp = remove_checks(model.logp(vars=[obs], sum=False)[0])
-    if lc.kind == "gaussian":
-        loc = model.replace_rvs_by_values(dist_params(lc.rv))[0]
-        fixed = graph_replace(
-            logp, {lc.value: pt.broadcast_to(as_float(loc), lc.shape)}, strict=False
+    import pytensor
+    from pytensor.graph.traversal import graph_inputs
+    from pytensor.tensor.sharedvar import TensorSharedVariable
+
+    inputs = [v for v in graph_inputs([logp]) if not isinstance(v, Constant | TensorSharedVariable)]
+    try:
+        fn = pytensor.function(inputs, logp, mode="FAST_COMPILE", on_unused_input="ignore")
+        vals = fn(*[point[v] for v in inputs])
+    except Exception:
+        return
+    if not np.all(np.isfinite(vals)):
+        raise UnsupportedModelError(
+            lc.name,
+            f"it is a Gaussian local of {obs.name!r}, but the log density of {obs.name!r} is not finite over the "
+            "real line of the local (quadrature nodes fall outside the likelihood's support)",
+            f"map {lc.name!r} into the support with a link (e.g. pm.math.exp or pm.math.log1pexp for a rate)",
         )
-        how = f"through local {lc.name!r}"
-    else:
-        fixed = graph_replace(
-            logp, {lc.value: pt.ones(lc.shape, dtype=lc.value.dtype)}, strict=False
-        )
-        how = f"with discrete local {lc.name!r}"
-    if not depends_on_any(fixed, gvalues):
-        return f"{how} (no Gaussian global)"
-    term = likelihood_term(obs.name, fixed, gvalues, gshapes, point)
-    return f"{form_name(term) if term is not None else 'general'}, {how}"
 
 
 def _initial_values(model):

@@ -73,6 +73,29 @@ def rayleigh_scale(rv):
     return None
 
 
+def _check_positive_scale(name, scale, point):
+    import pytensor
+    from pytensor.graph.traversal import graph_inputs
+    from pytensor.tensor.sharedvar import TensorSharedVariable
+
+    inputs = [
+        v for v in graph_inputs([scale]) if not isinstance(v, Constant | TensorSharedVariable)
+    ]
+    try:
+        val = pytensor.function(inputs, scale, mode="FAST_COMPILE", on_unused_input="ignore")(
+            *[point[v] for v in inputs]
+        )
+    except Exception:
+        return
+    val = np.asarray(val)
+    if not np.all(np.isfinite(val) & (val > 0)):
+        raise UnsupportedModelError(
+            name,
+            f"its Rayleigh scale must be positive, got {val.min() if val.size else val}",
+            "give the Rayleigh prior a positive `sigma` (the paper's tau)",
+        )
+
+
 @dataclass
 class Roles:
     gaussians: list[GaussianGlobal] = field(default_factory=list)
@@ -213,6 +236,7 @@ def assign_roles(model) -> Roles:
         if scale is None:
             continue
         scale_v = model.replace_rvs_by_values([scale])[0]
+        _check_positive_scale(rv.name, scale_v, {values[o]: ip[values[o].name] for o in free})
         rayleighs.append(RayleighGlobal(rv.name, rv, values[rv], vshape[rv], scale_v))
     rayleigh_rvs = {r.rv for r in rayleighs}
 

@@ -8,7 +8,7 @@ import numpy as np
 import pymc as pm
 import pytest
 
-import pymc_mcssvi
+from pymc_mcssvi.recognize import recognize
 from tests.conftest import nuts_draws
 
 ALGORITHMS = ["mcssvi", "hmcssvi", "sdsvi"]
@@ -79,7 +79,7 @@ def test_nonlinear_fallback_exponential_decay():
         b = pm.Normal("b", 0.5, 0.5)
         pm.Normal("y", mu=a * pm.math.exp(-b * t), sigma=0.08, observed=y)
     approx = _compare(model, "expdecay", ["a", "b"], "hmcssvi")
-    assert pymc_mcssvi.recognize(model).observed["y"] == "general"
+    assert recognize(model).observed["y"] == "general"
     assert approx.converged
 
 
@@ -122,5 +122,5 @@ def test_other_likelihoods(name):
         b0 = pm.Normal("b0", 0, 2)
         w = pm.Normal("w", 0, 1, shape=2)
         LIKELIHOODS[name](b0 + X @ w, y)
-    assert pymc_mcssvi.recognize(model).observed["y"] == "dense affine"
+    assert recognize(model).observed["y"] == "dense affine"
     _compare(model, name, ["b0", "w"], "hmcssvi", mean_tol=0.15, sd_tol=0.15)

@@ -1,0 +1,146 @@
+"""Rayleigh globals in the step kernel (paper section 3.3, eqs. opt-nat-sigma / opt-sigma).
+
+Each scalar Rayleigh global ``w2`` has ``q(w2) = Rayl(sigma_q)``. The bound's
+graphs read ``w2`` through PyMC's value variable ``log(w2)``; :meth:`evaluate`
+averages them over Gauss nodes ``w2_j = sigma_q sqrt(2 exp(t_j))``
+(deterministic, so backtracking stays valid) and adds ``-KL(q || prior)``.
+:meth:`updates` takes the natural-gradient step on ``theta = -1/(2 sigma_q^2)``
+(MC-SSVI, H-MC-SSVI) or a first-order step on ``sigma_q`` (S-DSVI), with the
+gradient of the full bound obtained by automatic differentiation.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytensor
+import pytensor.tensor as pt
+from pytensor.graph.replace import graph_replace, vectorize_graph
+
+from pymc_mcssvi.exceptions import UnsupportedModelError
+from pymc_mcssvi.families.rayleigh import kl_rayleigh, natural_step_rayleigh, rayleigh_nodes
+from pymc_mcssvi.recognize.graph import depends_on_any
+
+__all__ = ["RayleighGlobals"]
+
+
+def _shared(value, name):
+    value = np.asarray(value, dtype="float64")
+    return pytensor.shared(value, name=name, shape=value.shape)
+
+
+class RayleighGlobals:
+    """q over the Rayleigh globals of a model.
+
+    Parameters
+    ----------
+    model : pm.Model
+    rayleighs : list of RayleighGlobal
+    natural : bool
+        Natural-gradient steps (MC-SSVI, H-MC-SSVI) or first-order steps (S-DSVI).
+    optimizer : Optimizer, optional
+        First-order rule for S-DSVI.
+    n_nodes : int
+        Quadrature nodes per Rayleigh global (see :func:`~pymc_mcssvi.families.rayleigh.log_exponential_nodes`).
+    init_scale : dict, optional
+        Initial ``sigma_q`` by name (default: the prior scale at the initial point).
+    """
+
+    def __init__(self, model, rayleighs, natural=True, optimizer=None, n_nodes=8, init_scale=None):
+        if len(rayleighs) > 2:
+            raise UnsupportedModelError(
+                rayleighs[2].name,
+                "more than two Rayleigh globals are not supported",
+                "combine them into fewer scales",
+            )
+        for r in rayleighs:
+            tr = model.rvs_to_transforms.get(r.rv)
+            if r.size != 1:
+                raise UnsupportedModelError(
+                    r.name,
+                    "vector-valued Rayleigh globals are not supported yet",
+                    "use one scalar Rayleigh per scale",
+                )
+            if tr is None or type(tr).__name__ != "LogTransform":
+                raise UnsupportedModelError(
+                    r.name,
+                    "a Rayleigh global needs PyMC's default log transform",
+                    "do not pass `transform=` for it",
+                )
+        self.model = model
+        self.rayleighs = rayleighs
+        self.natural = natural
+        self.optimizer = optimizer
+        self.n_nodes = int(n_nodes)
+        ip = model.initial_point()
+        self.base, self.cand, self.base_grad, self.base_opt, self.cand_opt = [], [], [], [], []
+        for r in rayleighs:
+            if init_scale and r.name in init_scale:
+                s0 = float(init_scale[r.name])
+            else:
+                # The support point is sigma * sqrt(pi / 2).
+                s0 = float(np.exp(np.asarray(ip[r.value.name]).reshape(-1)[0])) / np.sqrt(np.pi / 2)
+            if not np.isfinite(s0) or s0 <= 0:
+                raise UnsupportedModelError(
+                    r.name,
+                    f"its prior scale must be positive (got an initial scale of {s0})",
+                    "check the Rayleigh `sigma`",
+                )
+            self.base.append(_shared(s0, f"base_rayleigh_{r.name}"))
+            self.cand.append(_shared(s0, f"cand_rayleigh_{r.name}"))
+            self.base_grad.append(_shared(0.0, f"base_rayleigh_grad_{r.name}"))
+            opt0 = optimizer.init(np.asarray(s0)) if (optimizer and not natural) else ()
+            self.base_opt.append(
+                tuple(_shared(x, f"base_rayleigh_opt_{r.name}_{i}") for i, x in enumerate(opt0))
+            )
+            self.cand_opt.append(
+                tuple(_shared(x, f"cand_rayleigh_opt_{r.name}_{i}") for i, x in enumerate(opt0))
+            )
+
+    def evaluate(self, outputs):
+        """Outputs averaged over q(w2) (outputs[0], the bound, also gets ``-KL``)."""
+        outs = list(outputs)
+        for r, sigma in zip(self.rayleighs, self.cand, strict=True):
+            v = pt.scalar(f"{r.name}_node_value", dtype=r.value.dtype)
+            singles = graph_replace(
+                outs, {r.value: v.reshape(r.value.type.shape) if r.value.ndim else v}, strict=False
+            )
+            w2, wts = rayleigh_nodes(sigma, self.n_nodes)
+            batched = vectorize_graph(singles, {v: pt.log(w2)})
+            outs = [
+                pt.tensordot(wts, b, axes=[[0], [0]]) if depends_on_any(x, [v]) else b
+                for x, b in zip(singles, batched, strict=True)
+            ]
+            tau = pt.reshape(r.prior_scale, ())
+            outs[0] = outs[0] - kl_rayleigh(sigma, tau)
+        return outs
+
+    def gradients(self, value):
+        """``dL/dsigma_q`` of the final (fully averaged) bound."""
+        return [pt.grad(pt.switch(pt.isfinite(value), value, 0.0), s) for s in self.cand]
+
+    def updates(self, accept, rho, scale, t, grads):
+        up = {}
+        for i, g in enumerate(grads):
+            sigma = pt.switch(accept, self.cand[i], self.base[i])
+            gsel = pt.switch(accept, g, self.base_grad[i])
+            gsafe = pt.switch(pt.isfinite(gsel), gsel, 0.0)
+            up[self.base[i]] = sigma
+            up[self.base_grad[i]] = gsel
+            if self.natural:
+                up[self.cand[i]] = natural_step_rayleigh(sigma, gsafe, rho)
+            else:
+                opt = self.optimizer
+                state = tuple(
+                    pt.switch(accept, c, b)
+                    for c, b in zip(self.cand_opt[i], opt.restart(self.base_opt[i]), strict=True)
+                )
+                delta, nxt = opt.update(gsafe, state, scale, t)
+                new = sigma + delta
+                up[self.cand[i]] = pt.switch(new > 0, new, np.nan)
+                up.update(dict(zip(self.base_opt[i], state, strict=True)))
+                up.update(dict(zip(self.cand_opt[i], nxt, strict=True)))
+        return up
+
+    def reset(self):
+        for b, c in zip(self.base, self.cand, strict=True):
+            c.set_value(b.get_value())

@@ -1,0 +1,189 @@
+"""Draws of marginalized local latents for ``approx.sample``.
+
+The bound integrates the locals out, so q has no parameters for them. To give
+``approx.sample()`` a value for every free variable, each local gets its
+marginal posterior under q, computed once after the fit by averaging
+``p(f_i | w, y_i)`` over draws of the globals:
+
+* Gaussian local: the posterior mean and variance of ``f_i`` (law of total
+  variance over the draws; given ``w`` they come from the same inner
+  quadrature the bound uses), drawn as independent normals;
+* discrete local: the posterior probabilities ``E_q[p(z_i = k | w, y_i)]``,
+  drawn by inverse CDF.
+
+Draws of locals are therefore independent of the draws of the globals (their
+correlation is not kept) and are flagged in ``posterior.attrs["marginal_locals"]``.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import pytensor
+import pytensor.tensor as pt
+from pymc.variational.opvi import Group, node_property
+from pytensor.graph.replace import vectorize_graph
+
+from pymc_mcssvi.estimators.quadrature import gauss_hermite
+from pymc_mcssvi.recognize.graph import as_float, remove_checks
+from pymc_mcssvi.recognize.roles import dist_params
+
+__all__ = ["LocalGroup", "local_posteriors"]
+
+
+@Group.register
+class LocalGroup(Group):
+    """Independent marginal posteriors of the local latents (see the module docstring)."""
+
+    __param_spec__ = {"local_marginals": ("d",)}
+    short_name = "local_marginals"
+    has_logq = False
+
+    def __init_group__(self, group):
+        # Group.__init_group__ refuses discrete variables; locals need their own layout.
+        self.group = group
+        self.input = pt.vector(self.__class__.__name__ + "_symbolic_input")
+        self.replacements = collections.OrderedDict()
+        self.ordering = collections.OrderedDict()
+        start = 0
+        self.locals = self._kwargs["locals"]
+        self._local_params = self._kwargs["local_params"]
+        for lc in self.locals:
+            size = int(np.prod(lc.shape, dtype=int))
+            value = self.model.rvs_to_values[lc.rv]
+            vr = self.input[..., start : start + size].reshape(lc.shape).astype(value.dtype)
+            self.replacements[value] = vr
+            self.ordering[value.name] = (
+                value.name,
+                slice(start, start + size),
+                lc.shape,
+                value.dtype,
+            )
+            start += size
+        self.symbolic_initial = self._initial_type(
+            self.__class__.__name__ + "_symbolic_initial_tensor"
+        )
+        self.shared_params = {
+            f"{lc.name}_{k}": v
+            for lc in self.locals
+            for k, v in self._local_params[lc.name].items()
+        }
+        self._finalize_init()
+
+    @node_property
+    def symbolic_random(self):
+        z = self.symbolic_initial
+        parts, start = [], 0
+        for lc in self.locals:
+            size = int(np.prod(lc.shape, dtype=int))
+            zi = z[:, start : start + size]
+            p = self._local_params[lc.name]
+            if lc.kind == "gaussian":
+                parts.append(p["mean"].reshape((-1,))[None] + p["sd"].reshape((-1,))[None] * zi)
+            else:
+                u = 0.5 * pt.erfc(-zi / np.sqrt(2.0))  # uniform
+                cdf = pt.cumsum(p["probs"].reshape((size, -1)), axis=-1)
+                parts.append(pt.sum(pt.lt(cdf[None], u[..., None]), axis=-1).astype("float64"))
+            start += size
+        return pt.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
+
+    @node_property
+    def mean(self):
+        out = []
+        for lc in self.locals:
+            p = self._local_params[lc.name]
+            if lc.kind == "gaussian":
+                out.append(p["mean"].reshape((-1,)))
+            else:
+                probs = p["probs"].reshape((int(np.prod(lc.shape)), -1))
+                out.append(probs @ pt.arange(probs.shape[-1]).astype("float64"))
+        return pt.concatenate(out)
+
+    @node_property
+    def std(self):
+        out = []
+        for lc in self.locals:
+            p = self._local_params[lc.name]
+            if lc.kind == "gaussian":
+                out.append(p["sd"].reshape((-1,)))
+            else:
+                probs = p["probs"].reshape((int(np.prod(lc.shape)), -1))
+                k = pt.arange(probs.shape[-1]).astype("float64")
+                m = probs @ k
+                out.append(pt.sqrt(pt.maximum(probs @ pt.square(k) - pt.square(m), 0.0)))
+        return pt.concatenate(out)
+
+    @node_property
+    def cov(self):
+        return pt.diag(pt.square(self.std))
+
+
+def initial_local_params(locals_):
+    """Shared containers for the marginal posteriors (filled after the fit)."""
+    out = {}
+    for lc in locals_:
+        n = int(np.prod(lc.shape, dtype=int))
+        if lc.kind == "gaussian":
+            out[lc.name] = {
+                "mean": pytensor.shared(np.zeros(lc.shape), f"{lc.name}_post_mean"),
+                "sd": pytensor.shared(np.ones(lc.shape), f"{lc.name}_post_sd"),
+            }
+        else:
+            out[lc.name] = {
+                "probs": pytensor.shared(
+                    np.full((n, lc.support), 1.0 / lc.support), f"{lc.name}_post_probs"
+                )
+            }
+    return out
+
+
+def local_posteriors(model, approx, locals_, params, draws=200, n_inner=40, random_seed=0):
+    """Fill ``params`` with the marginal posteriors of the locals under ``approx``."""
+    others = [rv for rv in model.free_RVs if rv not in {lc.rv for lc in locals_}]
+    names = [model.rvs_to_values[rv].name for rv in others]
+    sample_fn = approx.sample_dict_fn
+    samples = sample_fn(draws, random_seed=random_seed)
+    values = [model.rvs_to_values[rv] for rv in others]
+    for lc in locals_:
+        obs = model[lc.observed]
+        logp_y = remove_checks(model.logp(vars=[obs], sum=False)[0])
+        if lc.kind == "discrete":
+            logp_z = remove_checks(model.logp(vars=[lc.rv], sum=False)[0])
+            ks = pt.broadcast_to(
+                pt.constant(
+                    np.arange(lc.support)
+                    .reshape((-1,) + (1,) * len(lc.shape))
+                    .astype(lc.value.dtype)
+                ),
+                (lc.support, *lc.shape),
+            )
+            joint = vectorize_graph(logp_z + logp_y, {lc.value: ks})
+            post = pt.exp(joint - pt.logsumexp(joint, axis=0, keepdims=True))
+            fn = pytensor.function(values, post, mode="FAST_COMPILE", on_unused_input="ignore")
+            acc = 0.0
+            for s in range(draws):
+                acc = acc + fn(*[samples[n][s] for n in names])
+            probs = (acc / draws).reshape(lc.support, -1).T
+            params[lc.name]["probs"].set_value(probs / probs.sum(axis=1, keepdims=True))
+        else:
+            loc, scale = (
+                pt.broadcast_to(as_float(p), lc.shape)
+                for p in model.replace_rvs_by_values(dist_params(lc.rv))
+            )
+            u, v = gauss_hermite(n_inner)
+            u = pt.constant(u.reshape((-1,) + (1,) * len(lc.shape)))
+            logv = pt.constant(np.log(v).reshape((-1,) + (1,) * len(lc.shape)))
+            nodes = loc[None] + scale[None] * u
+            ll = logv + vectorize_graph(logp_y, {lc.value: nodes})
+            wts = pt.exp(ll - pt.logsumexp(ll, axis=0, keepdims=True))
+            m1 = pt.sum(wts * nodes, axis=0)
+            m2 = pt.sum(wts * pt.square(nodes), axis=0)
+            fn = pytensor.function(values, [m1, m2], mode="FAST_COMPILE", on_unused_input="ignore")
+            a1 = a2 = 0.0
+            for s in range(draws):
+                r1, r2 = fn(*[samples[n][s] for n in names])
+                a1, a2 = a1 + r1, a2 + r2
+            mean, second = a1 / draws, a2 / draws
+            params[lc.name]["mean"].set_value(np.asarray(mean))
+            params[lc.name]["sd"].set_value(np.sqrt(np.maximum(second - mean**2, 0.0)))

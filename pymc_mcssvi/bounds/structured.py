@@ -78,16 +78,21 @@ class StructuredBound:
             self.geometries.append(PredictorGeometry(term, tlm.segments, seg_of, n_rows))
         self.general = GeneralEstimator(tlm, n_draws=n_draws, fixed=fixed_draws, seed=seed)
 
-    def work_estimate(self) -> float:
+    def work_estimate(self, local_factor: float = 1.0) -> float:
         """Rough number of floating-point operations of one iteration.
 
         Used to choose between running the step with Python-level operations
-        (no compilation) and compiling it with numba.
+        (no compilation) and compiling it with numba. ``local_factor``
+        multiplies the quadrature work of likelihoods with a marginalized local
+        (their inner nodes).
         """
+        local_names = {lc.observed for lc in self.tlm.locals}
         total = 0.0
         for term, geom in zip(self.tlm.predictor_terms, self.geometries, strict=True):
             rows = float(geom.n_rows.eval(mode="FAST_COMPILE"))
             per_row = 0.0 if term.gaussian else 10.0 * self.n_points
+            if term.name in local_names:
+                per_row *= local_factor
             for p in geom.pieces:
                 seg = self.tlm.segments[p.segment]
                 per_row += 4.0 * seg.dim if p.dense_path else 4.0 * max(1, seg.k) ** 2

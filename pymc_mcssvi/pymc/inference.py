@@ -147,6 +147,7 @@ class StructuredVI(Inference):
         if hyper not in ("point", "meanfield"):
             raise ValueError(f"hyper must be 'point' or 'meanfield', got {hyper!r}")
         self.hyper_mode = hyper
+        self._n_inner = int(n_inner)
         self.hist = np.asarray(())
         self.state = None
         self._step_fns = {}
@@ -330,7 +331,12 @@ class StructuredVI(Inference):
         flops per iteration.
         """
         with pytensor.config.change_flags(mode=HELPER_MODE):
-            work = self.bound.work_estimate()
+            work = self.bound.work_estimate(self._n_inner if self.tlm.locals else 1)
+        k = self.kernel
+        if k.rayleighs is not None:
+            work *= k.rayleighs.n_nodes ** len(k.rayleighs.rayleighs)
+        if k.hypers is not None and k.hypers.mode == "meanfield":
+            work *= len(k.hypers.w)
         return "numba" if work > NUMBA_WORK_THRESHOLD else "python"
 
     def _step_function(self, backend=None, compile_kwargs=None):

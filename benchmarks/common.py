@@ -458,3 +458,33 @@ def fmt(x, spec: str = ".3g", na: str = "–") -> str:
     except TypeError:
         return str(x)
     return format(x, spec)
+
+
+def code_state() -> dict:
+    """Git commit of the repository and a hash of the plugin sources on disk.
+
+    ``plugin_sources_sha1`` hashes every ``pymc_mcssvi/**/*.py``; call it at the
+    start and the end of a long run to detect sources edited meanwhile.
+    """
+    import hashlib
+    import subprocess
+
+    root = REPO_ROOT / "pymc_mcssvi"
+    h = hashlib.sha1()
+    for f in sorted(root.rglob("*.py")):
+        h.update(f.read_bytes())
+    out = {"plugin_sources_sha1": h.hexdigest()[:12]}
+    try:
+        out["commit"] = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "pymc_mcssvi"],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+        out["plugin_dirty"] = bool(dirty)
+    except OSError:
+        pass
+    return out

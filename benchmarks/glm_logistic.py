@@ -30,6 +30,7 @@ smoke test that does not touch the docs).
 from __future__ import annotations
 
 import argparse
+import atexit
 import hashlib
 import os
 import shutil
@@ -342,14 +343,12 @@ def fit_pymc(model, method, n, seed, *, every=1, first=0, **kwargs):
     return approx, rec, wall, err
 
 
-def run_structured(model, method, cfg, seed, max_iter):
-    run = Run(
-        {"hmcssvi": "H-MC-SSVI", "mcssvi": "MC-SSVI", "sdsvi": "S-DSVI"}[method], "structured"
-    )
+def run_structured(model, method, cfg, seed, max_iter, name, fit_kwargs):
+    run = Run(name, "structured")
     every = 1 if method != "sdsvi" else max(1, max_iter // cfg["checkpoints"])
-    log(f"{run.name}: cold fit (n=None, max_iter={max_iter})")
+    log(f"{run.name}: cold fit (n=None, max_iter={max_iter}, {fit_kwargs or 'defaults'})")
     approx, rec, wall, err = fit_pymc(
-        model, method, None, seed, every=every, first=50, max_iter=max_iter
+        model, method, None, seed, every=every, first=50, max_iter=max_iter, **fit_kwargs
     )
     run.rec, run.wall, run.error = rec, wall, err
     run.extra.update(cpu=rec.cpu, load=rec.load)
@@ -367,10 +366,12 @@ def run_structured(model, method, cfg, seed, max_iter):
     return run
 
 
-def warm_structured(run, model, method, seed, max_iter, full):
+def warm_structured(run, model, method, seed, max_iter, full, fit_kwargs):
     """Second fresh fit of the same model (compiled graph in the on-disk / in-process caches)."""
     n = None if full else 20
-    approx, rec, wall, err = fit_pymc(model, method, n, seed, every=10**9, max_iter=max_iter)
+    approx, rec, wall, err = fit_pymc(
+        model, method, n, seed, every=10**9, max_iter=max_iter, **fit_kwargs
+    )
     run.warm = {
         "wall": wall if full else np.nan,
         "setup": rec.setup_time(),
@@ -386,8 +387,8 @@ def warm_structured(run, model, method, seed, max_iter, full):
     log(f"{run.name}: warm fit {wall:.1f} s (setup {run.warm['setup']:.2f} s)")
 
 
-def long_run(model, method, seed, n):
-    approx, rec, wall, err = fit_pymc(model, method, n, seed, every=10**9)
+def long_run(model, method, seed, n, fit_kwargs):
+    approx, rec, wall, err = fit_pymc(model, method, n, seed, every=10**9, **fit_kwargs)
     if approx is None:
         return None, err
     return np.asarray(approx.hist), err
@@ -957,6 +958,9 @@ def report(results, meta, path_json, docs_path=None):
     m = meta["machine"]
     v = meta["versions"]
     analysis = results.get("analysis") or "All targets were met."
+    numba_row = (
+        ', the row "H-MC-SSVI (numba)" passes `backend="numba"`' if "H-MC-SSVI (numba)" in R else ""
+    )
     numba_line = ""
     nb = step.get("backends", {}).get("numba")
     if nb and step["backend"] != "numba":
@@ -993,7 +997,8 @@ factor that differs between methods.
 Model: `w = pm.Normal("w", 0, 1, shape=D); pm.Bernoulli("y", logit_p=X @ w, observed=y)`.
 
 **Settings**: structured methods with defaults (`pm.fit(method=...)`, stop at convergence;
-S-DSVI capped at `max_iter={cfg["sdsvi_max_iter"]}`); ADVI / FullRankADVI
+S-DSVI capped at `max_iter={cfg["sdsvi_max_iter"]}`; the plugin's automatic backend choice
+for this problem is `{step["backend"]}`{numba_row}); ADVI / FullRankADVI
 `pm.fit(n, method=..., backend="numba")` with {cfg["advi_iters"]:,} / {cfg["fr_iters"]:,}
 iterations; NumPyro `AutoMultivariateNormal`, `Trace_ELBO` (1 particle), Adam,
 {cfg["numpyro_steps"]:,} steps in jitted chunks of {cfg["numpyro_chunk"]}, float32 (JAX
@@ -1108,6 +1113,9 @@ def main(argv=None):
         os.environ["PYTENSOR_FLAGS"] = (
             flags + "," if flags else ""
         ) + f"base_compiledir={tmp_cache}"
+        # Registered before PyTensor is imported, so it runs after PyTensor's own exit
+        # handlers (which release a lock file inside the compile directory).
+        atexit.register(shutil.rmtree, tmp_cache, ignore_errors=True)
     if "pytensor" in sys.modules:
         raise RuntimeError("pytensor must not be imported before the compile cache is set")
     warnings.filterwarnings("ignore")
@@ -1115,18 +1123,14 @@ def main(argv=None):
 
     logging.getLogger("pymc").setLevel(logging.ERROR)
     logging.getLogger("pytensor").setLevel(logging.ERROR)
-    try:
-        return _main(args, cfg, tmp_cache)
-    finally:
-        if tmp_cache:
-            shutil.rmtree(tmp_cache, ignore_errors=True)
+    return _main(args, cfg, tmp_cache)
 
 
 def _main(args, cfg, tmp_cache):
     import pymc as pm
     import pytensor.tensor as pt
 
-    import pymc_mcssvi  # noqa: F401  (registers the methods)
+    import pymc_mcssvi  # registers the fit methods
 
     seed = args.seed
     load_start = common.machine_info().get("loadavg")
@@ -1159,25 +1163,36 @@ def _main(args, cfg, tmp_cache):
     runs: dict[str, Run] = {}
     notes: list[str] = []
     # ---------------------------------------------------------- structured (cold)
-    for method in ("hmcssvi", "mcssvi", "sdsvi"):
+    structured = [
+        ("hmcssvi", "hmcssvi", "H-MC-SSVI", {}),
+        ("mcssvi", "mcssvi", "MC-SSVI", {}),
+        ("sdsvi", "sdsvi", "S-DSVI", {}),
+    ]
+    with spec_model:
+        default_backend = pymc_mcssvi.HMCSSVI().choose_backend()
+    if default_backend != "numba":
+        structured.append(("hmcssvi_numba", "hmcssvi", "H-MC-SSVI (numba)", {"backend": "numba"}))
+    log(f"default structured backend for this problem: {default_backend}")
+    for key, method, name, kw in structured:
         max_iter = cfg["sdsvi_max_iter"] if method == "sdsvi" else 10_000
         try:
-            runs[method] = run_structured(spec_model, method, cfg, seed, max_iter)
+            runs[key] = run_structured(spec_model, method, cfg, seed, max_iter, name, kw)
         except Exception as e:
             traceback.print_exc()
-            r = Run(method, "structured")
+            r = Run(name, "structured")
             r.error = f"{type(e).__name__}: {e}"
-            runs[method] = r
+            runs[key] = r
     # ---------------------------------------------------------- structured (warm, long)
-    for method in ("hmcssvi", "mcssvi", "sdsvi"):
-        if runs[method].final is None:
+    for key, method, _, kw in structured:
+        if runs[key].final is None:
             continue
         max_iter = cfg["sdsvi_max_iter"] if method == "sdsvi" else 10_000
-        warm_structured(runs[method], spec_model, method, seed, max_iter, full=method != "sdsvi")
+        warm_structured(runs[key], spec_model, method, seed, max_iter, method != "sdsvi", kw)
     long_hists = {}
+    long_kw = {"backend": "numba"} if "hmcssvi_numba" in runs else {}
     for method in ("hmcssvi", "mcssvi"):
-        log(f"{method}: long run of {cfg['long_iters']} iterations")
-        h, err = long_run(spec_model, method, seed, cfg["long_iters"])
+        log(f"{method}: long run of {cfg['long_iters']} iterations {long_kw}")
+        h, err = long_run(spec_model, method, seed, cfg["long_iters"], long_kw)
         if h is not None:
             long_hists[method] = h
         else:
@@ -1228,6 +1243,7 @@ def _main(args, cfg, tmp_cache):
         "hmcssvi": "H-MC-SSVI",
         "mcssvi": "MC-SSVI",
         "sdsvi": "S-DSVI",
+        "hmcssvi_numba": "H-MC-SSVI (numba)",
     }
     methods = {}
     for run_key, run in runs.items():

@@ -88,6 +88,7 @@ FULL = dict(
     nuts_tune=1000,
     n_draws=4000,
     radon_max_iter=2000,
+    radon_fixed_iter=1000,
 )
 QUICK = dict(
     advi_iters=5000,
@@ -99,6 +100,7 @@ QUICK = dict(
     nuts_tune=200,
     n_draws=1000,
     radon_max_iter=300,
+    radon_fixed_iter=200,
 )
 
 STRUCTURED = {
@@ -648,10 +650,11 @@ def approx_draws(ap, data, centered, n, seed=2):
 
 
 # ============================================================================ radon check
-def radon_exact_check(data, centered, cfg, seed) -> dict:
+def radon_exact_check(data, centered, cfg, seed) -> list:
     """q(effects) with point hyperparameters vs the exact conditional posterior.
 
-    Fit H-MC-SSVI with ``hyper="point"`` and a tight tolerance, read the point
+    Fit H-MC-SSVI with ``hyper="point"`` (a) with its stopping rule at
+    ``tol=1e-12`` and (b) for a fixed number of iterations, read the point
     estimates of ``sigma_y`` and ``sigma_county`` from ``approx.sample``, and
     compare ``approx.mean`` / ``approx.cov`` restricted to (intercept, beta,
     county effects) with the Gaussian posterior given those scales.
@@ -659,26 +662,49 @@ def radon_exact_check(data, centered, cfg, seed) -> dict:
     import pymc_mcssvi
 
     model = build_model(data, centered)
-    out = {"parameterization": "centered" if centered else "non-centered"}
-    t0 = time.perf_counter()
-    try:
-        with model:
-            inf = pymc_mcssvi.HMCSSVI(hyper="point", random_seed=seed)
-            ap = inf.fit(tol=1e-12, max_iter=cfg["radon_max_iter"], progressbar=False)
-    except Exception as e:
-        out["error"] = _short_error(e)
-        out["traceback"] = traceback.format_exc()
-        log(f"  radon exact check ({out['parameterization']}): FAILED {out['error']}")
-        return out
-    out.update(
-        wall=time.perf_counter() - t0, iterations=int(ap.n_iter), converged=bool(ap.converged)
-    )
+    label = "centered" if centered else "non-centered"
+    runs = [
+        ("tol=1e-12", dict(tol=1e-12, max_iter=cfg["radon_max_iter"])),
+        (f"n={cfg['radon_fixed_iter']}", dict(n=cfg["radon_fixed_iter"])),
+    ]
+    outs = []
+    for how, kw in runs:
+        out = {"parameterization": label, "stopping": how}
+        t0 = time.perf_counter()
+        try:
+            with model:
+                inf = pymc_mcssvi.HMCSSVI(hyper="point", random_seed=seed)
+                ap = inf.fit(progressbar=False, **kw)
+        except Exception as e:
+            out["error"] = _short_error(e)
+            out["traceback"] = traceback.format_exc()
+            log(f"  radon exact check ({label}, {how}): FAILED {out['error']}")
+            outs.append(out)
+            continue
+        out.update(
+            wall=time.perf_counter() - t0,
+            iterations=int(ap.n_iter),
+            converged=ap.converged,
+            final_loss=float(ap.hist[-1]),
+        )
+        out.update(_exact_compare(ap, data, centered))
+        log(
+            f"  radon exact check ({label}, {how}): {out['iterations']} it, converged={out['converged']}, "
+            f"sigma_y {out['sigma_y']:.6f}, sigma_county {out['sigma_county']:.6f}, max |mean diff| "
+            f"{out['max_abs_mean_diff']:.2e}, max |cov diff| {out['max_abs_cov_diff']:.2e}"
+        )
+        outs.append(out)
+    return outs
+
+
+def _exact_compare(ap, data, centered) -> dict:
+    out = {}
     post = ap.sample(10, random_seed=2).posterior
     sy = np.asarray(post["sigma_y"].values).ravel()
     sc = np.asarray(post["sigma_county"].values).ravel()
-    out["sigma_y"], out["sigma_county"] = float(sy[0]), float(sc[0])
     out["hyper_constant_across_draws"] = bool(np.ptp(sy) == 0 and np.ptp(sc) == 0)
     s_y, s_c = float(sy[0]), float(sc[0])
+    out["sigma_y"], out["sigma_county"] = s_y, s_c
     tr = data.train
     X, y = data.X[tr], data.y[tr]
     t = data.terms[0]
@@ -710,12 +736,6 @@ def radon_exact_check(data, centered, cfg, seed) -> dict:
     )
     out["max_abs_cov"] = float(np.max(np.abs(cov)))
     out["pass"] = bool(out["max_abs_mean_diff"] <= 1e-6 and out["max_abs_cov_diff"] <= 1e-6)
-    # Does the exact posterior move when the scales are at the NUTS posterior means?
-    log(
-        f"  radon exact check ({out['parameterization']}): {out['iterations']} it, converged={out['converged']}, "
-        f"sigma_y {s_y:.5f}, sigma_county {s_c:.5f}, max |mean diff| {out['max_abs_mean_diff']:.2e}, "
-        f"max |cov diff| {out['max_abs_cov_diff']:.2e}"
-    )
     return out
 
 
@@ -806,7 +826,9 @@ def run_dataset(name, cfg, seed, args):
         v["nuts"].update(analyse(nuts[tag], data, ref, nll_ref))
         v["nuts"]["is_reference"] = tag == ref_tag
     if name == "radon":
-        info["exact_check"] = [radon_exact_check(data, c, cfg, seed) for c in (True, False)]
+        info["exact_check"] = [
+            r for c in (False, True) for r in radon_exact_check(data, c, cfg, seed)
+        ]
     return {"info": info, "variants": variants}
 
 
@@ -997,7 +1019,16 @@ def render(results) -> str:
         f"Run {meta['date']} on {m.get('cpu_model', m.get('processor', '?'))} ({m.get('cpu_count')} logical CPUs, "
         f"{m.get('mem_total_gb', '?')} GB), {m.get('platform')}; Python {m.get('python')}, "
         + ", ".join(f"{k} {v}" for k, v in vers.items())
-        + f". Load average at start {meta.get('load_start')}, at end {meta.get('load_end')}. "
+        + f". Plugin at commit {meta.get('code_start', {}).get('commit', '?')}"
+        + (" + uncommitted edits" if meta.get("code_start", {}).get("plugin_dirty") else "")
+        + f" (sources sha1 {meta.get('code_start', {}).get('plugin_sources_sha1', '?')}"
+        + (
+            ""
+            if meta.get("code_start", {}).get("plugin_sources_sha1")
+            == meta.get("code_end", {}).get("plugin_sources_sha1")
+            else f", edited during the run: {meta.get('code_end', {}).get('plugin_sources_sha1', '?')} at the end"
+        )
+        + f"). Load average at start {meta.get('load_start')}, at end {meta.get('load_end')}. "
         f"Script: `python benchmarks/glmm.py`{' --reuse-nuts' if meta.get('reuse_nuts') else ''}; raw numbers in "
         "`benchmarks/results/glmm.json`.\n"
     )
@@ -1108,13 +1139,16 @@ def render(results) -> str:
         rows = []
         for e in ex:
             if "error" in e:
-                rows.append([e["parameterization"], "error", e["error"], "", "", "", "", ""])
+                rows.append(
+                    [e["parameterization"], e["stopping"], "error", e["error"], "", "", "", "", ""]
+                )
                 continue
             rows.append(
                 [
                     e["parameterization"],
-                    f"{e['iterations']}" + ("" if e["converged"] else " (max)"),
-                    f"{e['sigma_y']:.5f} / {e['sigma_county']:.5f}",
+                    e["stopping"],
+                    f"{e['iterations']}" + ("" if e["converged"] is not False else " (max)"),
+                    f"{e['sigma_y']:.6f} / {e['sigma_county']:.6f}",
                     e["dim"],
                     f"{e['max_abs_mean_diff']:.1e}",
                     f"{e['max_abs_cov_diff']:.1e}",
@@ -1126,6 +1160,7 @@ def render(results) -> str:
             common.markdown_table(
                 [
                     "parameterization",
+                    "stopping",
                     "iterations",
                     "sigma_y / sigma_county",
                     "dim",
@@ -1306,6 +1341,7 @@ def _main(args, cfg, tmp_cache):
         if tmp_cache
         else "user's cache (--warm-cache)",
         "load_start": common.machine_info().get("loadavg"),
+        "code_start": common.code_state(),
     }
     log(f"config: {cfg}")
     results = {"meta": meta, "datasets": {}}
@@ -1320,6 +1356,7 @@ def _main(args, cfg, tmp_cache):
     results["param_finding"] = finding
     results["notes"] = notes
     meta["load_end"] = common.machine_info().get("loadavg")
+    meta["code_end"] = common.code_state()
     meta["total_wall"] = time.perf_counter() - t_start
     out = RESULTS / ("glmm_quick.json" if args.quick else "glmm.json")
     common.save_json(results, out)

@@ -156,7 +156,7 @@ class PointHyperparameters:
         self.base_opt = tuple(_shared(x, f"base_hyper_opt_{i}") for i, x in enumerate(opt0))
         self.cand_opt = tuple(_shared(x, f"cand_hyper_opt_{i}") for i, x in enumerate(opt0))
 
-    def evaluate(self, outputs):
+    def evaluate(self, outputs, n_values=1):
         """Outputs at the candidate ``h``, plus finiteness and the derivatives in ``h``."""
         outs = graph_replace(outputs, self.spec.replacements(self.cand), strict=False)
         value = outs[0]
@@ -220,8 +220,11 @@ class MeanFieldHyperparameters:
         A = pt.linalg.solve_triangular(state.factor[0], pt.eye(self.spec.size), lower=True).T
         return state.mean + pt.constant(self.z) @ A.T
 
-    def evaluate(self, outputs):
-        """Sigma-point averages of the outputs and of the derivatives in ``h``."""
+    def evaluate(self, outputs, n_values=1):
+        """Sigma-point averages of the outputs and of the derivatives in ``h``.
+
+        The entropy of q(h) is added to the first ``n_values`` outputs (bound values).
+        """
         h = pt.vector("h_draw", shape=(self.spec.size,))
         outs = graph_replace(outputs, self.spec.replacements(h), strict=False)
         value = outs[0]
@@ -244,7 +247,8 @@ class MeanFieldHyperparameters:
         C = (grads * w[:, None]).T @ (draws - st.mean)
         H_h = C @ (L @ L.T)
         H_h = 0.5 * (H_h + H_h.T)
-        outs_avg[0] = outs_avg[0] + entropy(st, "precision")
+        ent = entropy(st, "precision")
+        outs_avg = [o + ent if i < n_values else o for i, o in enumerate(outs_avg)]
         finite = _finite(g_h, H_h)
         return outs_avg, finite, (g_h, H_h)
 

@@ -75,6 +75,9 @@ class StepKernel:
         self.base_g = [_shared(np.zeros_like(m), f"base_g_{s}") for s, m in enumerate(init_means)]
         self.base_H = [_shared(np.zeros_like(f), f"base_H_{s}") for s, f in enumerate(init_factors)]
         self.base_bound = _shared(-np.inf, "base_bound")
+        n_phases = len(getattr(bound, "phase_segments", [None]))
+        self.base_phase = _shared(np.full(n_phases, -np.inf), "base_phase_bounds")
+        self.phase = pytensor.shared(np.int64(0), name="phase")
         self.scale = _shared(schedule.initial_scale(), "step_scale")
         self.t = _shared(0.0, "accepted_steps")
         opt0 = algorithm.init_opt_state(init_means, init_factors)
@@ -107,19 +110,27 @@ class StepKernel:
         )
 
     def build(self):
-        """Outputs ``[base_bound, cand_bound, accepted, rho]`` and the shared-variable updates."""
+        """Outputs ``[base_bound, cand_bound, accepted, rho]`` and the shared-variable updates.
+
+        With several *phases* (matrix factorization: one per factor) each step
+        moves only the segments of the current phase, and a candidate is
+        judged by that phase's value, the objective its gradients belong to.
+        """
         alg = self.algorithm
         cand = [GaussianBlocks(m, f) for m, f in zip(self.cand_mean, self.cand_factor, strict=True)]
         ev = self.bound.evaluate(cand)
-        outs = [ev.value, *ev.grads, *ev.hessians]
+        nph = len(ev.phase_values)
+        outs = [ev.value, *ev.phase_values, *ev.grads, *ev.hessians]
+        nv = 1 + nph
         haux = None
         if self.rayleighs is not None:
-            outs = self.rayleighs.evaluate(outs)
+            outs = self.rayleighs.evaluate(outs, n_values=nv)
         finite = pt.isfinite(outs[0])
         if self.hypers is not None:
-            outs, hfinite, haux = self.hypers.evaluate(outs)
+            outs, hfinite, haux = self.hypers.evaluate(outs, n_values=nv)
             finite = pt.isfinite(outs[0]) & hfinite
-        value, grads, hessians = outs[0], outs[1 : 1 + self.nseg], outs[1 + self.nseg :]
+        value, phase_values = outs[0], pt.stack(outs[1:nv])
+        grads, hessians = outs[nv : nv + self.nseg], outs[nv + self.nseg :]
         rgrads = None
         if self.rayleighs is not None:
             rgrads = self.rayleighs.gradients(value)
@@ -127,9 +138,11 @@ class StepKernel:
                 finite = finite & pt.isfinite(x)
         for x in [*grads, *hessians]:
             finite = finite & pt.all(pt.isfinite(x))
+        finite = finite & pt.all(pt.isfinite(phase_values))
         if self.monotone:
-            tol = 1e-9 * pt.abs(self.base_bound) + 1e-9
-            better = pt.or_(~pt.isfinite(self.base_bound), value >= self.base_bound - tol)
+            current, base = phase_values[self.phase], self.base_phase[self.phase]
+            tol = 1e-9 * pt.abs(base) + 1e-9
+            better = pt.or_(~pt.isfinite(base), current >= base - tol)
             accept = finite & better
         else:
             accept = finite
@@ -149,7 +162,26 @@ class StepKernel:
         # Plain values for NaN-free arithmetic in the unused branch.
         g_safe = [pt.switch(pt.isfinite(x), x, 0.0) for x in g]
         H_safe = [pt.switch(pt.isfinite(x), x, 0.0) for x in H]
-        next_cand, next_opt = alg.step(new_base, g_safe, H_safe, rho, scale, t, opt)
+        stepped, stepped_opt = alg.step(new_base, g_safe, H_safe, rho, scale, t, opt)
+        next_phase = (
+            pt.switch(accept, (self.phase + 1) % nph, self.phase) if nph > 1 else self.phase
+        )
+        next_cand, next_opt = [], []
+        for s in range(self.nseg):
+            if nph == 1:
+                next_cand.append(stepped[s])
+                next_opt.append(stepped_opt[s])
+                continue
+            moves = pt.constant(np.array([s in seg for seg in self.bound.phase_segments]))[
+                next_phase
+            ]
+            next_cand.append(
+                GaussianBlocks(
+                    pt.switch(moves, stepped[s].mean, new_base[s].mean),
+                    pt.switch(moves, stepped[s].factor, new_base[s].factor),
+                )
+            )
+            next_opt.append(_select_tree(moves, stepped_opt[s], opt[s]))
 
         updates = {}
         for s in range(self.nseg):
@@ -162,6 +194,8 @@ class StepKernel:
             _tree_updates(updates, self.base_opt[s], opt[s])
             _tree_updates(updates, self.cand_opt[s], next_opt[s])
         updates[self.base_bound] = new_bound
+        updates[self.base_phase] = pt.switch(accept, phase_values, self.base_phase)
+        updates[self.phase] = pt.cast(next_phase, "int64")
         updates[self.scale] = scale
         updates[self.t] = t
         if self.hypers is not None:

@@ -96,8 +96,8 @@ class RayleighGlobals:
                 tuple(_shared(x, f"cand_rayleigh_opt_{r.name}_{i}") for i, x in enumerate(opt0))
             )
 
-    def evaluate(self, outputs):
-        """Outputs averaged over q(w2) (outputs[0], the bound, also gets ``-KL``)."""
+    def evaluate(self, outputs, n_values=1):
+        """Outputs averaged over q(w2); the first ``n_values`` (bound values) also get ``-KL``."""
         outs = list(outputs)
         for r, sigma in zip(self.rayleighs, self.cand, strict=True):
             v = pt.scalar(f"{r.name}_node_value", dtype=r.value.dtype)
@@ -111,7 +111,8 @@ class RayleighGlobals:
                 for x, b in zip(singles, batched, strict=True)
             ]
             tau = pt.reshape(r.prior_scale, ())
-            outs[0] = outs[0] - kl_rayleigh(sigma, tau)
+            kl = kl_rayleigh(sigma, tau)
+            outs = [o - kl if i < n_values else o for i, o in enumerate(outs)]
         return outs
 
     def gradients(self, value):

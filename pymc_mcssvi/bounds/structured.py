@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import pytensor.tensor as pt
 
+from pymc_mcssvi.estimators.bilinear import BilinearEstimator
 from pymc_mcssvi.estimators.general import GeneralEstimator
 from pymc_mcssvi.estimators.predictor import PredictorGeometry
 from pymc_mcssvi.estimators.quadrature import expected_derivatives, expected_standard_normal
@@ -36,6 +37,7 @@ class BoundEvaluation:
     hessians: list
     expected_loglik: pt.TensorVariable
     entropy: pt.TensorVariable
+    phase_values: list = None
 
 
 class StructuredBound:
@@ -65,6 +67,7 @@ class StructuredBound:
         n_draws: int = 64,
         fixed_draws: bool = True,
         seed: int = 0,
+        bilinear_draws="sigma",
     ):
         self.tlm = tlm
         self.parameterization = parameterization
@@ -77,6 +80,9 @@ class StructuredBound:
             n_rows = pt.cast(n_rows, "int64")
             self.geometries.append(PredictorGeometry(term, tlm.segments, seg_of, n_rows))
         self.general = GeneralEstimator(tlm, n_draws=n_draws, fixed=fixed_draws, seed=seed)
+        self.bilinear = BilinearEstimator(
+            tlm, seg_of, parameterization, n_draws=bilinear_draws, n_points=n_points, seed=seed
+        )
 
     def work_estimate(self, local_factor: float = 1.0) -> float:
         """Rough number of floating-point operations of one iteration.
@@ -150,6 +156,13 @@ class StructuredBound:
         if need_derivatives:
             grads = [_add(a, b) for a, b in zip(grads, g_gen, strict=True)]
             hessians = [_add(a, b) for a, b in zip(hessians, H_gen, strict=True)]
+        T_phase = None
+        if self.bilinear.active:
+            T_v, T_u, g_bil, H_bil = self.bilinear.expectations(states, covs, need_hessian)
+            T_phase = [T_v, T_u]
+            if need_derivatives:
+                grads = [_add(a, b) for a, b in zip(grads, g_bil, strict=True)]
+                hessians = [_add(a, b) for a, b in zip(hessians, H_bil, strict=True)]
         for c in tlm.constant_terms:
             expected = expected + pt.sum(c.logp)
         ent = pt.sum([entropy(st, self.parameterization) for st in states])
@@ -160,7 +173,21 @@ class StructuredBound:
             pt.zeros(st.factor.shape) if h is None else h
             for h, st in zip(hessians, states, strict=True)
         ]
-        return BoundEvaluation(expected + ent, grads, hessians, expected, ent)
+        if T_phase is None:
+            return BoundEvaluation(expected + ent, grads, hessians, expected, ent, [expected + ent])
+        phase = [expected + ent + T for T in T_phase]
+        value = 0.5 * (phase[0] + phase[1])
+        return BoundEvaluation(
+            value, grads, hessians, expected + 0.5 * (T_phase[0] + T_phase[1]), ent, phase
+        )
+
+    @property
+    def phase_segments(self):
+        """Segments each phase of the kernel moves (one phase: all of them)."""
+        nseg = len(self.tlm.segments)
+        if self.bilinear.active:
+            return self.bilinear.phase_segments(nseg)
+        return [set(range(nseg))]
 
 
 def _add(a, b):

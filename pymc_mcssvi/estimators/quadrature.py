@@ -72,7 +72,8 @@ def expected_derivatives(
     placeholder : TensorVariable
         The predictor variable inside ``logp``.
     mean, var : TensorVariable
-        Moments of the predictor under q, shape of ``placeholder``.
+        Moments of the predictor under q: the shape of ``placeholder``,
+        possibly with extra leading (batch) axes.
     method : {"quadrature", "mc"}
     n_points : int
         Quadrature nodes, or Monte Carlo draws per predictor entry.
@@ -92,7 +93,7 @@ def expected_derivatives(
     sd = pt.sqrt(var)
     if method == "quadrature":
         z, w = gauss_hermite(int(n_points))
-        z = pt.constant(z.reshape((-1,) + (1,) * placeholder.ndim))
+        z = pt.constant(z.reshape((-1,) + (1,) * mean.ndim))
         points = mean[None] + sd[None] * z
         vals = vectorize_graph(list(graphs), {placeholder: points})
         # l has the shape of logp, l' and l'' that of the predictor.

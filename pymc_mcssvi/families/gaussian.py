@@ -36,6 +36,14 @@ import numpy as np
 import pytensor.tensor as pt
 from pytensor.conditional.op import ifelse
 
+from pymc_mcssvi.families.batched import (
+    UNROLL_MAX_K,
+    cholesky_unrolled,
+    lower_inverse_unrolled,
+    solve_lower_t_unrolled,
+    solve_lower_unrolled,
+)
+
 __all__ = [
     "GaussianBlocks",
     "cholesky",
@@ -78,7 +86,15 @@ def cholesky(P):
     """
     if P.type.shape[-1] == 1:
         return pt.sqrt(P)
+    if _unroll(P):
+        return cholesky_unrolled(P)
     return pt.linalg.cholesky(P, lower=True, on_error="nan")
+
+
+def _unroll(x) -> bool:
+    """Many small blocks: unrolled elementwise algorithms beat per-block LAPACK calls."""
+    R, K = x.type.shape[0], x.type.shape[-1]
+    return x.ndim == 3 and K is not None and K <= UNROLL_MAX_K and (R is None or R > 1)
 
 
 def _eye_like(factor):
@@ -90,6 +106,8 @@ def _lower_inverse(L):
     """``L^{-1}`` for lower-triangular blocks (a triangular solve, not an inverse)."""
     if L.type.shape[-1] == 1:
         return 1.0 / L
+    if _unroll(L):
+        return lower_inverse_unrolled(L)
     return pt.linalg.solve_triangular(L, _eye_like(L), lower=True)
 
 
@@ -245,5 +263,7 @@ def cho_solve_blocks(L, b):
     """Solve ``(L L^T) x = b`` blockwise for ``b`` of shape ``(R, K)``."""
     if L.type.shape[-1] == 1:
         return b / (L[..., 0] ** 2)
+    if _unroll(L):
+        return solve_lower_t_unrolled(L, solve_lower_unrolled(L, b))
     y = pt.linalg.solve_triangular(L, b[..., None], lower=True)
     return pt.linalg.solve_triangular(L, y, lower=True, trans=1)[..., 0]

@@ -243,6 +243,13 @@ class StructuredVI(Inference):
         sigma = float(start_sigma)
         if not np.isfinite(sigma) or sigma <= 0:
             raise ValueError(f"start_sigma must be a positive number, got {start_sigma!r}")
+        if tlm.bilinear_terms and start is None:
+            # U = V = 0 is a saddle point of a matrix factorization: break the symmetry.
+            rng = np.random.default_rng(0 if self.random_seed is None else self.random_seed)
+            for term in tlm.bilinear_terms:
+                for gid in (term.left, term.right):
+                    o, n = offsets[gid], tlm.gaussians[gid].size
+                    flat[o : o + n] = flat[o : o + n] + 0.3 * rng.standard_normal(n)
         means, factors = [], []
         for seg, idx in zip(tlm.segments, maps, strict=True):
             means.append(flat[idx])

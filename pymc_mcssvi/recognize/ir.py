@@ -27,6 +27,7 @@ from pytensor.graph.basic import Variable
 from pymc_mcssvi.recognize.affine import LinearTerm
 
 __all__ = [
+    "BilinearTerm",
     "ConstantTerm",
     "GaussianGlobal",
     "GeneralTerm",
@@ -190,6 +191,29 @@ class PredictorTerm:
 
 
 @dataclass
+class BilinearTerm:
+    """``sum(l(f))`` with ``f_n = U[left_rows[n]] . V[right_rows[n]]`` (matrix factorization).
+
+    Attributes
+    ----------
+    left, right : int
+        Ids of the Gaussian globals ``U`` (rows x K) and ``V`` (columns x K).
+    left_rows, right_rows : TensorVariable
+        Integer row indices, one per observation.
+    placeholder, logp
+        Elementwise log density as a function of ``f``.
+    """
+
+    name: str
+    left: int
+    right: int
+    left_rows: Variable
+    right_rows: Variable
+    placeholder: Variable
+    logp: Variable
+
+
+@dataclass
 class GeneralTerm:
     """A log density handled by Monte Carlo and automatic differentiation."""
 
@@ -223,6 +247,7 @@ class TwoLevelModel:
     locals: list[LocalLatent] = field(default_factory=list)
     scaling: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    bilinear_terms: list[BilinearTerm] = field(default_factory=list)
 
     @property
     def gaussian_values(self) -> list[Variable]:

@@ -25,6 +25,7 @@ from pymc_mcssvi.recognize.ir import PredictorTerm
 from pymc_mcssvi.recognize.stabilize import stable_logp
 
 __all__ = [
+    "bilinear_term",
     "find_bilinear",
     "flatten_terms",
     "form_name",
@@ -237,6 +238,57 @@ def find_bilinear(logp: Variable, gvalues: dict, gshapes: dict):
                 return v, fa, fb
         stack.extend(i for i in v.owner.inputs if lin.depends(i))
     return None
+
+
+def bilinear_term(
+    name: str, logp: Variable, gvalues: dict, gshapes: dict, point: dict | None = None
+):
+    """A :class:`~pymc_mcssvi.recognize.ir.BilinearTerm` for ``l((U[s] * V[d]).sum(-1))``.
+
+    Requires each factor to be a plain row gather of a matrix-shaped global
+    (``U[s]`` with ``U`` of shape ``(rows, K)``) and the log density to depend
+    on the globals only through the product, elementwise. Returns None
+    otherwise (the caller then uses the general path).
+    """
+    from pymc_mcssvi.recognize.ir import BilinearTerm
+
+    found = find_bilinear(logp, gvalues, gshapes)
+    if found is None:
+        return None
+    eta, fa, fb = found
+    rows = []
+    for form in (fa, fb):
+        if form.offset is not None or len(form.terms) != 1:
+            return None
+        (t,) = form.terms
+        shape = gshapes[next(v for v, i in gvalues.items() if i == t.source)]
+        # A row gather U[s] has leading shape (n, K) and one column per entry.
+        if len(shape) != 2 or t.vals is not None or t.ndim != 2:
+            return None
+        K = shape[1]
+        try:
+            cols = np.asarray(t.cols.eval(mode="FAST_COMPILE"))
+        except Exception:
+            return None
+        if cols.ndim != 3 or cols.shape[1:] != (K, 1):
+            return None
+        cols = cols[..., 0]
+        if not np.array_equal(cols - cols[:, :1], np.broadcast_to(np.arange(K), cols.shape)):
+            return None
+        rows.append((t.source, t.cols[:, 0, 0] // K))
+    (left, lrows), (right, rrows) = rows
+    placeholder = eta.type()
+    placeholder.name = f"{name}_product"
+    replaced = graph_replace(logp, {eta: placeholder}, strict=False)
+    if depends_on_any(replaced, gvalues):
+        return None
+    if not is_separable(replaced, placeholder):
+        lin = _Linearizer(gvalues, gshapes)
+        if point is None or not _entrywise_in_predictor(
+            replaced, placeholder, lin.shape_of(eta), point
+        ):
+            return None
+    return BilinearTerm(name, left, right, lrows, rrows, placeholder, stable_logp(replaced))
 
 
 def _product_operands(v):

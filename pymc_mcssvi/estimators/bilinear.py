@@ -6,11 +6,11 @@ the expectation over ``v_j`` given ``u_i`` is one-dimensional:
 pmf_expec_start - PMF-SVI-update-V), the expectation over ``u_i`` uses
 ``k1`` points from ``q(u_i)`` and the expectation over ``f`` given each point is
 computed by Gauss-Hermite quadrature (the paper's ``k2`` samples). By default the
-points are the ``2K`` sigma points ``m + A (+-sqrt(K) e_k)`` (``A A^T = S``):
-they reproduce the first two moments of ``u`` exactly, so for a Gaussian
-likelihood the covariance step with ``rho = 1`` is exactly the closed-form
-update of Lim & Teh (2007); ``draws=<int>`` uses random antithetic draws (the
-paper's Monte Carlo) instead:
+points are fixed random antithetic draws (the paper's ``k1`` Monte Carlo
+samples, 4 by default); ``draws="sigma"`` uses the ``2K`` sigma points
+``m + A (+-sqrt(K) e_k)`` (``A A^T = S``), which reproduce the first two moments
+of ``u`` exactly, so that for a Gaussian likelihood the covariance step with
+``rho = 1`` is exactly the closed-form update of Lim & Teh (2007):
 
 .. math::
 
@@ -43,15 +43,17 @@ class BilinearEstimator:
     seg_of : dict
         Gaussian global id to segment index.
     parameterization : {"precision", "covariance"}
-    n_draws : "sigma" or int
-        ``"sigma"``: the ``2K`` sigma points of the other factor; an int: that many
-        random antithetic draws (the paper's ``k1``).
+    n_draws : int or "sigma"
+        Random antithetic draws of the other factor per observation (the
+        paper's ``k1``; default 4), or ``"sigma"`` for the ``2K`` sigma points
+        (exact first two moments: the conjugate update is then exact, at
+        ``K / 2`` times the cost).
     n_points : int
         Gauss-Hermite nodes for the expectation over the product.
     seed : int
     """
 
-    def __init__(self, tlm, seg_of, parameterization, n_draws="sigma", n_points=12, seed=0):
+    def __init__(self, tlm, seg_of, parameterization, n_draws=4, n_points=8, seed=0):
         self.tlm = tlm
         self.parameterization = parameterization
         self.n_points = n_points
@@ -93,19 +95,28 @@ class BilinearEstimator:
         return pt.matrix_transpose(state.factor)
 
     def _side(self, term, draw_state, draw_rows, other_mean, other_cov, other_rows, salt):
-        """Expectations for the factor indexed by ``other_rows``, drawing the other factor."""
-        K = draw_state.mean.shape[-1]
+        """Expectations for the factor indexed by ``other_rows``, drawing the other factor.
+
+        Returns the draws as ``(n, a, K)`` and ``T, alpha, beta`` as ``(a, n)``.
+
+        Notes
+        -----
+        Per-observation products are written as broadcasts and sums (one
+        vectorized expression) instead of ``n`` small matrix products; the
+        largest intermediate is ``n x a x K x K``.
+        """
         A = self._square_root(draw_state)[draw_rows]  # (n, K, K)
-        eps = self._eps(int(draw_state.mean.type.shape[-1]), salt)  # (a, 1, K)
-        u = draw_state.mean[draw_rows][None] + (A[None] @ eps[..., None])[..., 0]  # (a, n, K)
+        eps = self._eps(int(draw_state.mean.type.shape[-1]), salt)[:, 0, :]  # (a, K)
+        u = draw_state.mean[draw_rows][:, None, :] + pt.sum(
+            A[:, None, :, :] * eps[None, :, None, :], axis=-1
+        )
         mv = other_mean[other_rows]  # (n, K)
         Sv = other_cov[other_rows]  # (n, K, K)
-        mean = pt.sum(u * mv[None], axis=-1)  # (a, n)
-        var = pt.sum((u[..., None, :] @ Sv[None])[..., 0, :] * u, axis=-1)
+        mean = pt.sum(u * mv[:, None, :], axis=-1).T  # (a, n)
+        var = pt.sum(u[..., :, None] * Sv[:, None, :, :] * u[..., None, :], axis=(-2, -1)).T
         T, alpha, beta = expected_derivatives(
             term.logp, term.placeholder, mean, pt.maximum(var, 0.0), n_points=self.n_points
         )
-        del K
         return u, T, alpha, beta
 
     def phase_segments(self, nseg):
@@ -151,13 +162,18 @@ class BilinearEstimator:
                 (sv, term.right_rows, u, a_v, b_v, Rv),
                 (su, term.left_rows, v, a_u, b_u, Ru),
             ):
-                g_obs = pt.mean(a[..., None] * draws, axis=0)  # (n, K)
+                n_pts = pt.cast(draws.shape[1], "float64")
+                g_obs = pt.sum(a.T[:, :, None] * draws, axis=1) / n_pts  # (n, K)
                 g = pt.zeros((R, Kdim))
                 g = pt.inc_subtensor(g[rows], g_obs)
                 grads[seg] = g if grads[seg] is None else grads[seg] + g
                 if need_hessian:
-                    H_obs = pt.mean(
-                        b[..., None, None] * draws[..., :, None] * draws[..., None, :], axis=0
+                    # sum_a beta_a u_a u_a^T per observation
+                    H_obs = (
+                        pt.sum(
+                            (draws * b.T[:, :, None])[..., :, None] * draws[..., None, :], axis=1
+                        )
+                        / n_pts
                     )
                     H = pt.zeros((R, Kdim, Kdim))
                     H = pt.inc_subtensor(H[rows], H_obs)

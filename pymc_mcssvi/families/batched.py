@@ -15,7 +15,10 @@ number), which the step kernel treats as a rejected step.
 
 from __future__ import annotations
 
+import numpy as np
 import pytensor.tensor as pt
+from pytensor.graph.basic import Apply
+from pytensor.graph.op import Op
 
 __all__ = [
     "UNROLL_MAX_K",
@@ -25,8 +28,8 @@ __all__ = [
     "solve_lower_t_unrolled",
 ]
 
-#: Largest block size handled by unrolled loops.
-UNROLL_MAX_K = 12
+#: Largest block size handled by unrolled loops (larger blocks use NumPy's stacked LAPACK).
+UNROLL_MAX_K = 3
 
 
 def _stack_lower(entries, K):
@@ -89,3 +92,51 @@ def solve_lower_t_unrolled(L, b):
             s = s - L[:, k, i] * x[k]
         x[i] = s / L[:, i, i]
     return pt.stack(x, axis=-1)
+
+
+class _StackedLinalg(Op):
+    """Batched LAPACK on a ``(R, K, K)`` stack through NumPy's stacked routines.
+
+    PyTensor's ``Blockwise`` linear algebra calls SciPy once per block from
+    Python when the step is not compiled (``np.vectorize``), which dominates
+    the iteration for thousands of small blocks; ``np.linalg`` loops in C.
+    Used only in forward computations (no gradient).
+    """
+
+    __props__ = ("kind",)
+
+    def __init__(self, kind: str):
+        assert kind in ("cholesky", "inverse")
+        self.kind = kind
+
+    def make_node(self, x):
+        x = pt.as_tensor_variable(x)
+        return Apply(self, [x], [x.type()])
+
+    def perform(self, node, inputs, outputs):
+        (x,) = inputs
+        if self.kind == "inverse":
+            with np.errstate(all="ignore"):
+                try:
+                    out = np.linalg.inv(x)
+                except np.linalg.LinAlgError:
+                    out = np.full_like(x, np.nan)
+            outputs[0][0] = out
+            return
+        try:
+            out = np.linalg.cholesky(x)
+        except np.linalg.LinAlgError:
+            out = np.empty_like(x)
+            for r in range(x.shape[0]):
+                try:
+                    out[r] = np.linalg.cholesky(x[r])
+                except np.linalg.LinAlgError:
+                    out[r] = np.nan
+        outputs[0][0] = out
+
+    def infer_shape(self, fgraph, node, shapes):
+        return shapes
+
+
+stacked_cholesky = _StackedLinalg("cholesky")
+stacked_inverse = _StackedLinalg("inverse")

@@ -42,6 +42,8 @@ from pymc_mcssvi.families.batched import (
     lower_inverse_unrolled,
     solve_lower_t_unrolled,
     solve_lower_unrolled,
+    stacked_cholesky,
+    stacked_inverse,
 )
 
 __all__ = [
@@ -88,13 +90,37 @@ def cholesky(P):
         return pt.sqrt(P)
     if _unroll(P):
         return cholesky_unrolled(P)
+    if _stacked(P):
+        return stacked_cholesky(P)
     return pt.linalg.cholesky(P, lower=True, on_error="nan")
 
 
 def _unroll(x) -> bool:
-    """Many small blocks: unrolled elementwise algorithms beat per-block LAPACK calls."""
+    """Many tiny blocks: unrolled elementwise algorithms beat per-block LAPACK calls."""
     R, K = x.type.shape[0], x.type.shape[-1]
     return x.ndim == 3 and K is not None and K <= UNROLL_MAX_K and (R is None or R > 1)
+
+
+def _stacked(x) -> bool:
+    """Many small blocks: one call of NumPy's stacked LAPACK routines."""
+    R = x.type.shape[0]
+    return x.ndim == 3 and (R is None or R > 1)
+
+
+def bmm(A, B):
+    """``A @ B`` for stacks of small matrices, as an elementwise product and a sum.
+
+    A batched ``@`` is a loop of BLAS calls (a Python loop when the step is not
+    compiled); for ``K`` up to a few dozen the broadcast form is faster.
+    """
+    if A.ndim <= 2 and B.ndim <= 2:
+        return A @ B
+    return pt.sum(A[..., :, :, None] * B[..., None, :, :], axis=-2)
+
+
+def bmv(A, x):
+    """``A @ x`` for stacks of small matrices and vectors."""
+    return pt.sum(A * x[..., None, :], axis=-1)
 
 
 def _eye_like(factor):
@@ -108,6 +134,8 @@ def _lower_inverse(L):
         return 1.0 / L
     if _unroll(L):
         return lower_inverse_unrolled(L)
+    if _stacked(L):
+        return stacked_inverse(L)
     return pt.linalg.solve_triangular(L, _eye_like(L), lower=True)
 
 
@@ -121,19 +149,19 @@ def covariance(state: GaussianBlocks, parameterization: Parameterization):
     """
     f = state.factor
     if parameterization == "covariance":
-        return pt.matrix_transpose(f) @ f
+        return bmm(pt.matrix_transpose(f), f)
     Li = _lower_inverse(f)
-    return pt.matrix_transpose(Li) @ Li
+    return bmm(pt.matrix_transpose(Li), Li)
 
 
 def precision(state: GaussianBlocks, parameterization: Parameterization):
     """Precision blocks ``P`` of shape ``(R, K, K)``."""
     f = state.factor
     if parameterization == "precision":
-        return f @ pt.matrix_transpose(f)
+        return bmm(f, pt.matrix_transpose(f))
     # P = C^{-1} C^{-T} with C upper triangular.
     Ci = pt.matrix_transpose(_lower_inverse(pt.matrix_transpose(f)))
-    return Ci @ pt.matrix_transpose(Ci)
+    return bmm(Ci, pt.matrix_transpose(Ci))
 
 
 def sample(state: GaussianBlocks, parameterization: Parameterization, eps):
@@ -149,7 +177,7 @@ def sample(state: GaussianBlocks, parameterization: Parameterization, eps):
         A = pt.matrix_transpose(_lower_inverse(f))  # L^{-T}
     else:
         A = pt.matrix_transpose(f)  # C^T
-    return state.mean + (A @ eps[..., None])[..., 0]
+    return state.mean + bmv(A, eps)
 
 
 def log_det_covariance(state: GaussianBlocks, parameterization: Parameterization):
@@ -241,7 +269,7 @@ def natural_step(state: GaussianBlocks, g, H, rho, mean_update: bool = True) -> 
     """
     L = state.factor
     m = state.mean
-    P = L @ pt.matrix_transpose(L)
+    P = bmm(L, pt.matrix_transpose(L))
     H = 0.5 * (H + pt.matrix_transpose(H))
     trial = cholesky((1.0 - rho) * P - rho * H)
     bad = pt.any(pt.isnan(trial), axis=(-2, -1))
@@ -252,8 +280,8 @@ def natural_step(state: GaussianBlocks, g, H, rho, mean_update: bool = True) -> 
     L_new = ifelse(pt.any(bad), pt.switch(bad[..., None, None], cholesky(P_new), trial), trial)
     if not mean_update:
         return GaussianBlocks(m, L_new)
-    Hm = (H @ m[..., None])[..., 0]
-    Pm = (P @ m[..., None])[..., 0]
+    Hm = bmv(H, m)
+    Pm = bmv(P, m)
     b = (1.0 - rho) * Pm + rho * (g - Hm)
     m_new = cho_solve_blocks(L_new, b)
     return GaussianBlocks(m_new, L_new)
@@ -265,5 +293,10 @@ def cho_solve_blocks(L, b):
         return b / (L[..., 0] ** 2)
     if _unroll(L):
         return solve_lower_t_unrolled(L, solve_lower_unrolled(L, b))
+    if _stacked(L):
+        Li = stacked_inverse(L)
+        return pt.sum(
+            pt.matrix_transpose(Li) * pt.sum(Li * b[..., None, :], axis=-1)[..., None, :], axis=-1
+        )
     y = pt.linalg.solve_triangular(L, b[..., None], lower=True)
     return pt.linalg.solve_triangular(L, y, lower=True, trans=1)[..., 0]

@@ -1,5 +1,6 @@
-"""Builders for the paper's model families as plain PyMC models."""
+"""Builders for the paper's model families as plain PyMC models, and offline data loaders."""
 
 from pymc_mcssvi.models.gme import gme
+from pymc_mcssvi.models.pmf import load_insteval, load_reuters_counts, pmf
 
-__all__ = ["gme"]
+__all__ = ["gme", "load_insteval", "load_reuters_counts", "pmf"]

@@ -110,7 +110,11 @@ class StructuredVI(Inference):
     n_inner : int
         Nodes (or draws) of that integral.
     n_rayleigh_nodes : int
-        Gauss-Laguerre nodes for expectations over a Rayleigh global's q.
+        Quadrature nodes for expectations over a Rayleigh global's q.
+    bilinear_draws : int or "sigma"
+        Matrix factorization: draws of the other factor per observation (the
+        paper's ``k1``), or ``"sigma"`` for its ``2K`` sigma points (exact
+        second moments).
     """
 
     algorithm_cls = MCSSVIStep
@@ -141,6 +145,7 @@ class StructuredVI(Inference):
         inner="quadrature",
         n_inner=12,
         n_rayleigh_nodes=6,
+        bilinear_draws=4,
     ):
         self.model = pm.modelcontext(model)
         self.random_seed = random_seed
@@ -178,6 +183,7 @@ class StructuredVI(Inference):
                 n_draws=n_draws,
                 fixed_draws=fixed_draws,
                 seed=seed,
+                bilinear_draws=bilinear_draws,
             )
             deterministic = (
                 estimator == "quadrature"

@@ -224,9 +224,9 @@ def find_bilinear(logp: Variable, gvalues: dict, gshapes: dict):
         if v in seen or not lin.depends(v) or v.owner is None:
             continue
         seen.add(v)
-        pair = _product_operands(v)
-        if pair is not None:
-            a, b = pair
+        found = _product_operands(v)
+        if found is not None:
+            a, b, prod = found
             fa, fb = lin(a), lin(b)
             if (
                 fa is not None
@@ -235,7 +235,7 @@ def find_bilinear(logp: Variable, gvalues: dict, gshapes: dict):
                 and fb.terms
                 and not (fa.sources & fb.sources)
             ):
-                return v, fa, fb
+                return prod, fa, fb
         stack.extend(i for i in v.owner.inputs if lin.depends(i))
     return None
 
@@ -292,7 +292,12 @@ def bilinear_term(
 
 
 def _product_operands(v):
-    """Operands of a contraction ``sum(a * b, axis=-1)`` or a batched dot, if ``v`` is one."""
+    """``(a, b, product)`` if ``v`` is a contraction ``sum(a * b, axis=-1)`` or a dot.
+
+    ``product`` is the variable to replace by the predictor: ``v`` itself, or the
+    contraction inside a dimension shuffle of it (``eta[:, None]`` in an
+    ordered-logistic likelihood must not become the predictor).
+    """
     node = v.owner
     op = node.op
     if isinstance(op, Sum):
@@ -304,13 +309,14 @@ def _product_operands(v):
         ):
             ins = inner.owner.inputs
             if len(ins) == 2:
-                return ins[0], ins[1]
+                return ins[0], ins[1], v
     if (isinstance(op, Dot) or (isinstance(op, Blockwise) and isinstance(op.core_op, Dot))) and len(
         node.inputs
     ) == 2:
-        return node.inputs[0], node.inputs[1]
+        return node.inputs[0], node.inputs[1], v
     if isinstance(op, OpFromGraph):  # einsum
-        return _product_operands(inline_ofg_node(node)[node.outputs.index(v)])
+        found = _product_operands(inline_ofg_node(node)[node.outputs.index(v)])
+        return None if found is None else (found[0], found[1], v)
     if isinstance(op, DimShuffle):
         inner = node.inputs[0]
         if inner.owner is not None:

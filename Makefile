@@ -31,5 +31,8 @@ docs: $(STAMP)
 	$(BIN)/python -m pip install -q -e ".[docs]"
 	$(BIN)/sphinx-build -W --keep-going -b html docs docs/_build/html
 
+notebooks: $(STAMP)
+	$(BIN)/python notebooks/run_all.py
+
 clean:
 	rm -rf $(VENV) .pytest_cache docs/_build docs/generated docs/notebooks

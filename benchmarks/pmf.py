@@ -95,6 +95,11 @@ DATASETS = [
 ]
 METHODS = ["H-MC-SSVI", "MC-SSVI", "S-DSVI", "ADVI", "NumPyro AutoNormal", "MAP (AutoDelta)"]
 STRUCTURED = {"H-MC-SSVI": "HMCSSVI", "MC-SSVI": "MCSSVI", "S-DSVI": "SDSVI"}
+#: Options of the structured methods per data set. synth_ordinal: with the default
+#: start_sigma=1 the ordinal bound is -inf at the start for K = 20 (the ordered-logistic
+#: log-probabilities underflow at the outer quadrature nodes; see pmf_notes.md) and
+#: the fit stops with DivergenceError, so all three structured methods start at sd 0.3.
+STRUCTURED_KWARGS = {"synth_ordinal": {"start_sigma": 0.3}}
 COLORS = {
     "H-MC-SSVI": "C0",
     "MC-SSVI": "C2",
@@ -136,6 +141,8 @@ FULL = dict(
     final_draws=256,
     numpy_reps=5,
     worker_timeout=900.0,
+    diag_iters=[1, 5, 15, 40, 80],
+    diag_max_seconds=150.0,
 )
 QUICK = dict(
     K_real=4,
@@ -161,6 +168,8 @@ QUICK = dict(
     final_draws=64,
     numpy_reps=3,
     worker_timeout=300.0,
+    diag_iters=[1, 5, 15, 40],
+    diag_max_seconds=30.0,
 )
 
 
@@ -550,7 +559,9 @@ def worker_structured(ds, method, cfg, seed, evaluator, res):
     t0 = time.perf_counter()
     try:
         with model:
-            inf = cls(random_seed=seed, start=start)
+            kw = STRUCTURED_KWARGS.get(ds["name"], {})
+            res["inf_kwargs"] = kw
+            inf = cls(random_seed=seed, start=start, **kw)
             res["recognition_s"] = time.perf_counter() - t0
             res["backend_auto"] = inf.choose_backend()
             res["work_estimate"] = float(inf.bound.work_estimate())
@@ -832,6 +843,74 @@ def worker_numpy(ds, cfg, seed, res):
     res["peak_rss_fit_mb"] = rss_mb()
 
 
+def fresh_negelbo(ds, q, n_draws=64, seed=5):
+    """-ELBO of a block-Gaussian q by fresh Monte Carlo over (U, V) jointly, KL in closed form.
+
+    Independent of the plugin's estimator (which fixes k1 draws of the other
+    factor); returns ``(value, standard error of the expected log likelihood)``.
+    """
+    r, c, y = ds["train"]
+    rng = np.random.default_rng(seed)
+    prep = {k: Evaluator._prepare(v) for k, v in q.items()}
+    ell = []
+    for _ in range(n_draws):
+        U = Evaluator._draw(prep["U"], rng.standard_normal((1, ds["n_rows"], ds["K"])))[0]
+        V = Evaluator._draw(prep["V"], rng.standard_normal((1, ds["n_cols"], ds["K"])))[0]
+        lp, _ = loglik(ds["likelihood"], y[None], np.sum(U[r] * V[c], -1)[None], ds["cutpoints"])
+        ell.append(lp.sum())
+    kl = 0.0
+    for _kind, m, p in q.values():
+        A = np.linalg.inv(np.swapaxes(p, -1, -2))
+        S = A @ np.swapaxes(A, -1, -2)
+        logdet = -2.0 * np.sum(np.log(np.diagonal(p, axis1=-2, axis2=-1)))
+        kl += 0.5 * (np.trace(S, axis1=-2, axis2=-1).sum() + np.sum(m**2) - m.size - logdet)
+    ell = np.asarray(ell)
+    return float(-(ell.mean() - kl)), float(ell.std() / np.sqrt(n_draws))
+
+
+def worker_diagnose(ds, cfg, seed, evaluator, res, draws):
+    """H-MC-SSVI with ``bilinear_draws=draws``: the plugin's bound vs a fresh-MC ELBO along the fit."""
+    import pymc_mcssvi
+
+    draws = draws if draws == "sigma" else int(draws)
+    model = build_pymc(ds)
+    res["bilinear_draws"] = draws
+    points = []
+    t0 = time.perf_counter()
+    pause = 0.0
+    with model:
+        inf = pymc_mcssvi.HMCSSVI(
+            random_seed=seed, start=start_values(ds, seed), bilinear_draws=draws
+        )
+        read = structured_reader(inf)
+        done = 0
+        for target in cfg["diag_iters"]:
+            approx = inf.fit(n=target - done, progressbar=False)
+            done = target
+            t = time.perf_counter() - t0 - pause
+            s0 = time.perf_counter()
+            q = read(approx)
+            fe, se = fresh_negelbo(ds, q)
+            m = evaluator(q, cfg["curve_draws"])
+            points.append(
+                {
+                    "iteration": done,
+                    "time": t,
+                    "plugin_negelbo": float(approx.hist[-1]),
+                    "fresh_negelbo": fe,
+                    "fresh_se": se,
+                    "nll": m["nll"],
+                    "error": m["error"],
+                }
+            )
+            pause += time.perf_counter() - s0
+            log(f"diagnose {ds['name']} draws={draws}: {points[-1]}")
+            if t > cfg["diag_max_seconds"]:
+                break
+    res["points"] = points
+    res["peak_rss_fit_mb"] = rss_mb()
+
+
 def downsample(x, k=400):
     x = np.asarray(x, dtype="float64")
     if len(x) <= k:
@@ -865,6 +944,8 @@ def worker_main(spec_path):
             worker_numpyro(ds, cfg, seed, evaluator, res, "delta")
         elif method == "numpy":
             worker_numpy(ds, cfg, seed, res)
+        elif method.startswith("diagnose:"):
+            worker_diagnose(ds, cfg, seed, evaluator, res, method.split(":", 1)[1])
         else:
             raise ValueError(method)
     except Exception as e:
@@ -878,7 +959,12 @@ def worker_main(spec_path):
 
 # ============================================================================ driver
 def spec_key(name, method, cfg, seed):
-    h = hashlib.sha1(json.dumps([name, method, cfg, seed], sort_keys=True, default=str).encode())
+    # the diagnostic's settings do not change the other runs
+    cfg = {k: v for k, v in cfg.items() if not k.startswith("diag_")}
+    parts = [name, method, cfg, seed]
+    if method in STRUCTURED and name in STRUCTURED_KWARGS:
+        parts.append(STRUCTURED_KWARGS[name])
+    h = hashlib.sha1(json.dumps(parts, sort_keys=True, default=str).encode())
     return h.hexdigest()[:10]
 
 
@@ -1024,27 +1110,30 @@ def analyse(results):
                     }
                 )
         # --- T2: H-MC-SSVI converges faster than S-DSVI
-        fh, fs = curve_final(H), curve_final(S)
-        if fh is not None and fs is not None:
-            level = max(fh, fs)
-            th, ts = time_to_level(H, level), time_to_level(S, level)
-            # and on the training bound (same bound, same estimator)
-            lb = None
-            if H.get("losses") and S.get("losses"):
-                lh, ls = np.asarray(H["losses"]), np.asarray(S["losses"])
-                lev = max(np.nanmin(lh[-3:]), np.nanmin(ls[-3:]))
-                tbh, _ = common.time_to_within(H["times"], lh, lev, rel=1e-3)
-                tbs, _ = common.time_to_within(S["times"], ls, lev, rel=1e-3)
-                lb = (lev, tbh, tbs)
-            ok = bool(th == th and (ts != ts or th < ts))
+        # Primary: the training bound (both report the same bound with the same
+        # estimator); level = the worse of the two best values, +0.1%, reached and kept.
+        # Secondary: held-out NLL at the worse of the two final values.
+        if H.get("losses") and S.get("losses"):
+            lh = np.asarray(H["losses"], dtype="float64")
+            ls = np.asarray(S["losses"], dtype="float64")
+            lev = max(np.nanmin(lh), np.nanmin(ls))
+            tbh, _ = common.time_to_within(H["times"], lh, lev, rel=1e-3)
+            tbs, _ = common.time_to_within(S["times"], ls, lev, rel=1e-3)
+            ok = bool(tbh == tbh and (tbs != tbs or tbh < tbs))
             txt = (
-                f"NLL level {level:.4f} (worse of the two finals, +{100 * NLL_REL_TOL:.1f}%): H-MC-SSVI {fmt(th, '.1f')} s, "
-                f"S-DSVI {fmt(ts, '.1f')} s" + (" (never)" if ts != ts else "")
+                f"-ELBO within 0.1% of {lev:,.0f} (worse of the two best values): H-MC-SSVI {fmt(tbh, '.1f')} s, "
+                f"S-DSVI {fmt(tbs, '.1f')} s" + (" (never, or did not stay)" if tbs != tbs else "")
             )
-            if lb is not None:
-                txt += f"; -ELBO level {lb[0]:,.0f}: {fmt(lb[1], '.1f')} s vs {fmt(lb[2], '.1f')} s"
+            fh, fs = curve_final(H), curve_final(S)
+            if fh is not None and fs is not None:
+                level = max(fh, fs)
+                th, ts = time_to_level(H, level), time_to_level(S, level)
+                txt += f"; held-out NLL level {level:.4f} (worse final): {fmt(th, '.1f')} s vs {fmt(ts, '.1f')} s"
+                d.update(hmc_vs_sdsvi_nll=(level, th, ts))
             if S.get("stopped_by_time"):
-                txt += " (S-DSVI hit its time cap)"
+                txt += "; S-DSVI stopped at its time cap"
+            if H.get("stopped_by_time"):
+                txt += "; H-MC-SSVI stopped at its time cap"
             targets.append(
                 {
                     "id": f"vs_sdsvi_{name}",
@@ -1052,10 +1141,10 @@ def analyse(results):
                     "text": f"{name}: H-MC-SSVI converges faster than S-DSVI",
                     "status": status(ok),
                     "measured": txt,
-                    "value": (th, ts),
+                    "value": (tbh, tbs),
                 }
             )
-            d.update(hmc_vs_sdsvi=(level, th, ts), elbo_vs_sdsvi=lb)
+            d.update(hmc_vs_sdsvi_elbo=(lev, tbh, tbs))
         else:
             targets.append(
                 {
@@ -1374,11 +1463,58 @@ def render(results, plot_rel=PLOT_REL):
     )
     L.append("")
     L.append(
+        "Levels and times use the curves' draws (each curve's last snapshot), so they differ slightly from the "
+        "table's values with more draws. "
         f"Time to a level = first evaluation (snapshot) time from which the method's held-out NLL stays within "
         f"{100 * NLL_REL_TOL:.1f}% of (or below) that level. Snapshots are log-spaced in iterations, so times are "
         "resolved to the snapshot grid."
     )
     L.append("")
+    if results.get("diagnostics"):
+        L.append("### Diagnostic: the plugin's bound vs a fresh Monte Carlo ELBO\n")
+        L.append(
+            "H-MC-SSVI run again (same start) with the default `bilinear_draws=4` (k1 = 4 fixed antithetic draws of "
+            "the other factor per observation) and with `bilinear_draws='sigma'` (2K sigma points); at a few "
+            "iterations the -ELBO the plugin reports is compared with an independent estimate of the same q's "
+            "-ELBO (64 fresh joint draws of U and V for the expected log likelihood, KL in closed form; ± is the "
+            "Monte Carlo standard error), with the held-out NLL (32 draws). Time excludes the evaluations."
+        )
+        L.append("")
+        rows = []
+        for name, dd in results["diagnostics"].items():
+            for dr, r in dd.items():
+                if r.get("error") and not r.get("points"):
+                    rows.append([name, dr, "error", "", "", "", "", r["error"][:100]])
+                    continue
+                for pnt in r.get("points", []):
+                    rows.append(
+                        [
+                            name,
+                            dr,
+                            pnt["iteration"],
+                            f"{pnt['time']:.0f}",
+                            f"{pnt['plugin_negelbo']:,.0f}",
+                            f"{pnt['fresh_negelbo']:,.0f} ± {pnt['fresh_se']:.0f}",
+                            f"{pnt['nll']:.4f}",
+                            f"{pnt['error']:.4f}",
+                        ]
+                    )
+        L.append(
+            common.markdown_table(
+                [
+                    "data",
+                    "bilinear_draws",
+                    "iteration",
+                    "time s",
+                    "plugin -ELBO",
+                    "fresh-MC -ELBO",
+                    "held-out NLL",
+                    "error",
+                ],
+                rows,
+            )
+        )
+        L.append("")
     if results.get("memory_scaling"):
         L.append("### Memory scaling\n")
         L.append(results["memory_scaling"])
@@ -1455,6 +1591,12 @@ def main(argv=None):
         "--report-from", default=None, help="re-render docs and plot from a results JSON"
     )
     parser.add_argument(
+        "--diagnose",
+        default=None,
+        help="with --report-from: data sets on which to compare the plugin's bound with a fresh-MC "
+        "ELBO (bilinear_draws=4 and 'sigma'); stored in the JSON",
+    )
+    parser.add_argument(
         "--analysis", default=None, help="with --report-from: markdown file for the Discussion"
     )
     args = parser.parse_args(argv)
@@ -1462,9 +1604,24 @@ def main(argv=None):
         return worker_main(args.worker)
     if args.report_from:
         results = json.loads(Path(args.report_from).read_text())
+        results["targets"], results["derived"] = analyse(results)
+        results["notes"] = notes_for(results)
+        results["memory_scaling"] = memory_scaling_text(results)
+        if args.diagnose:
+            cfg = results["meta"]["cfg"]
+            cfg.setdefault("diag_iters", FULL["diag_iters"])
+            cfg.setdefault("diag_max_seconds", FULL["diag_max_seconds"])
+            diag = results.setdefault("diagnostics", {})
+            for name in [x.strip() for x in args.diagnose.split(",") if x.strip()]:
+                diag[name] = {
+                    str(dr): run_worker(
+                        name, f"diagnose:{dr}", cfg, results["meta"]["seed"], args.reuse, False
+                    )
+                    for dr in (4, "sigma")
+                }
         if args.analysis:
             results["analysis"] = Path(args.analysis).read_text().strip()
-            common.save_json(results, args.report_from)
+        common.save_json(results, args.report_from)
         make_plot(results, PLOT)
         common.write_section(SECTION, render(results), common.DOCS_PATH)
         log(f"wrote {PLOT} and section '{SECTION}' of {common.DOCS_PATH}")

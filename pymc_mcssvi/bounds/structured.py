@@ -95,18 +95,24 @@ class StructuredBound:
         local_names = {lc.observed for lc in self.tlm.locals}
         total = 0.0
         for term, geom in zip(self.tlm.predictor_terms, self.geometries, strict=True):
-            rows = float(geom.n_rows.eval(mode="FAST_COMPILE"))
+            rows = _numeric_size(geom.n_rows)
             per_row = 0.0 if term.gaussian else 10.0 * self.n_points
             if term.name in local_names:
                 per_row *= local_factor
             for p in geom.pieces:
                 seg = self.tlm.segments[p.segment]
-                per_row += 4.0 * seg.dim if p.dense_path else 4.0 * max(1, seg.k) ** 2
+                if p.dense_path:
+                    per_row += 4.0 * seg.dim
+                elif p.mixed:
+                    d = sum(len(c) for c, _ in p.dense)
+                    per_row += 4.0 * (d * d + 4 * d + 16)
+                else:
+                    per_row += 4.0 * max(1, seg.k) ** 2
             total += rows * per_row
         if self.general.active:
             total += 50.0 * self.general.n_draws * self.general.dim**2
         for term, su, _ in self.bilinear.items:
-            rows = float(term.left_rows.shape[0].eval(mode="FAST_COMPILE"))
+            rows = _numeric_size(term.left_rows.shape[0])
             K = self.tlm.segments[su].k
             draws = 2 * K if self.bilinear.n_draws == "sigma" else self.bilinear.n_draws
             total += 2 * rows * draws * (10.0 * self.bilinear.n_points + 4.0 * K * K)
@@ -201,3 +207,20 @@ def _add(a, b):
     if b is None:
         return a
     return a + b
+
+
+def _numeric_size(n) -> float:
+    """Value of a symbolic size; sizes that the graph ties to free variables are
+    resolved by shape inference (a ``pm.Data`` index gathered from ``s * z``)."""
+    try:
+        return float(n.eval(mode="FAST_COMPILE"))
+    except Exception:
+        pass
+    try:
+        from pytensor.graph.rewriting.utils import rewrite_graph
+
+        return float(
+            rewrite_graph(n, include=("ShapeOpt", "canonicalize")).eval(mode="FAST_COMPILE")
+        )
+    except Exception:
+        return 1e4  # unknown: a medium-sized guess, only used to pick a backend

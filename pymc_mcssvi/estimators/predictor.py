@@ -47,6 +47,7 @@ class SegmentPieces:
     )  # (segment coords, vals (n|1, k))
     sparse: list[tuple[object, object, object]] = field(default_factory=list)  # (rows, cols, vals)
     dense_path: bool = True
+    mixed: bool = False
 
 
 class PredictorGeometry:
@@ -84,6 +85,9 @@ class PredictorGeometry:
                 p.sparse.append((rows, cols, t.vals))
         for p in pieces.values():
             seg = segments[p.segment]
+            if p.sparse and seg.kind == "full" and _mixed_is_cheaper(p, seg):
+                p.dense_path, p.mixed = False, True
+                continue
             if p.sparse and not (seg.kind == "full" and seg.dim <= DENSE_GATHER_MAX):
                 p.dense_path = False
                 # Dense designs into a sparse-path segment become gathers with k = D.
@@ -127,7 +131,29 @@ class PredictorGeometry:
 
     def prepare(self):
         """Per-iteration dense designs (computed once, shared by moments, g and H)."""
-        return {id(p): self.design(p) for p in self.pieces if p.dense_path}
+        out = {}
+        for p in self.pieces:
+            if p.dense_path:
+                out[id(p)] = self.design(p)
+            elif p.mixed:
+                out[id(p)] = self._mixed_parts(p)
+        return out
+
+    def _mixed_parts(self, p: SegmentPieces):
+        """``(coords, X_d, cols, vals)`` of a full segment read through gathers.
+
+        The row ``a_i`` of the design is ``X_d[i]`` placed at ``coords`` plus
+        ``vals[i]`` placed at ``cols[i]``: a few dense columns (fixed effects)
+        and a few gathered ones (random effects), never the ``n x D`` one-hot.
+        """
+        n = self.n_rows
+        if p.dense:
+            coords = np.concatenate([c for c, _ in p.dense]).astype("int64")
+            Xd = pt.concatenate([_rows_vals(v, n, len(c)) for c, v in p.dense], axis=1)
+        else:
+            coords, Xd = np.zeros(0, dtype="int64"), None
+        _, cols, vals = _concat_sparse(p.sparse, n)
+        return coords, Xd, cols, vals
 
     # ------------------------------------------------------------------ moments
     def moments(self, means, covs, designs):
@@ -154,6 +180,9 @@ class PredictorGeometry:
                 A = designs[id(p)]
                 mu = mu + A @ m.reshape((seg.dim,))
                 var = var + _dense_quadratic(A, S, seg)
+            elif p.mixed:
+                dmu, dvar = _mixed_moments(designs[id(p)], m.reshape((seg.dim,)), S[0])
+                mu, var = mu + dmu, var + dvar
             else:
                 for rows, cols, vals in p.sparse:
                     v = 1.0 if vals is None else vals
@@ -181,6 +210,10 @@ class PredictorGeometry:
                 A = designs[id(p)]
                 g = (alpha @ A).reshape((R, K))
                 H = None if beta is None else _dense_hessian(A, beta, seg)
+            elif p.mixed:
+                g, H = _mixed_derivatives(designs[id(p)], alpha, beta, seg.dim)
+                g = g.reshape((R, K))
+                H = None if H is None else H[None]
             else:
                 rows, cols, vals = _concat_sparse(p.sparse, n)
                 g = pt.zeros((R, K))
@@ -255,3 +288,67 @@ def _dense_hessian(A, beta, seg: Segment):
     A3 = A.reshape((A.shape[0], seg.rows, seg.k))
     Ab = A3 * beta[:, None, None]
     return pt.einsum("nrk,nrl->rkl", Ab, A3)
+
+
+# ------------------------------------------------------------------ mixed path
+def _static_width(x) -> int:
+    """Static size of the last axis, or a guess of 2 when it is symbolic."""
+    if x is None:
+        return 1
+    k = x.type.shape[-1] if x.type.ndim else 1
+    return int(k) if k is not None else 2
+
+
+def _mixed_is_cheaper(p: SegmentPieces, seg: Segment) -> bool:
+    """Whether the gather-aware path beats the one-hot design for a full segment.
+
+    Per row the one-hot path costs about ``3 D^2`` flops (moments, g and H
+    through BLAS); the mixed path ``3 d^2`` for the dense columns plus scatter
+    and gather work of order ``d p + p^2`` (weighted: indexed memory access is
+    slower than BLAS).
+    """
+    d = sum(len(c) for c, _ in p.dense)
+    k = sum(
+        max(_static_width(r), _static_width(c), _static_width(v) if v is not None else 1)
+        for r, c, v in p.sparse
+    )
+    return 3 * seg.dim**2 > 3 * d * d + 16 * (d * k + k * k) + 64
+
+
+def _mixed_moments(parts, m, S):
+    """Mean and variance of ``a_i^T w`` for the rows of a mixed design (see :meth:`_mixed_parts`)."""
+    coords, Xd, cols, vals = parts
+    mu = pt.sum(vals * m[cols], axis=-1)
+    Scc = S[cols[:, :, None], cols[:, None, :]]
+    var = pt.sum(Scc * vals[:, :, None] * vals[:, None, :], axis=(1, 2))
+    if Xd is not None:
+        mu = mu + Xd @ m[coords]
+        Sd = S[coords]  # (d, D)
+        Sdd = Sd[:, coords]
+        var = var + pt.sum((Xd @ Sdd) * Xd, axis=1)
+        # cross term 2 x_i^T S[coords, cols_i] v_i: a (d, n, p) gather, no n x D product
+        W = pt.sum(Sd[:, cols] * vals[None], axis=2)  # (d, n)
+        var = var + 2.0 * pt.sum(W.T * Xd, axis=1)
+    return mu, var
+
+
+def _mixed_derivatives(parts, alpha, beta, D):
+    """``sum_i alpha_i a_i`` and ``sum_i beta_i a_i a_i^T`` for a mixed design."""
+    coords, Xd, cols, vals = parts
+    g = pt.zeros((D,))
+    g = pt.inc_subtensor(g[cols], vals * alpha[:, None])
+    if Xd is not None:
+        g = pt.inc_subtensor(g[coords], alpha @ Xd)
+    if beta is None:
+        return g, None
+    bv = vals * beta[:, None]
+    H = pt.zeros((D, D))
+    H = pt.inc_subtensor(H[cols[:, :, None], cols[:, None, :]], bv[:, :, None] * vals[:, None, :])
+    if Xd is not None:
+        c = pt.constant(coords)
+        H = pt.inc_subtensor(H[c[:, None], c[None, :]], Xd.T @ (Xd * beta[:, None]))
+        M = pt.zeros((D, len(coords)))
+        M = pt.inc_subtensor(M[cols], bv[:, :, None] * Xd[:, None, :])
+        H = pt.inc_subtensor(H[:, c], M)
+        H = pt.inc_subtensor(H[c, :], M.T)
+    return g, H

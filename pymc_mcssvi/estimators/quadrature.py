@@ -90,7 +90,9 @@ def expected_derivatives(
     graphs = derivative_graphs(logp, placeholder)
     if not need_hessian:
         graphs = graphs[:2]
-    sd = pt.sqrt(var)
+    # max(var, tiny): a predictor entry with zero variance (a zero covariate) keeps a
+    # finite derivative (sqrt has an infinite one at 0, and inf * 0 = nan).
+    sd = pt.sqrt(pt.maximum(var, 1e-300))
     if method == "quadrature":
         z, w = gauss_hermite(int(n_points))
         z = pt.constant(z.reshape((-1,) + (1,) * mean.ndim))

@@ -13,7 +13,7 @@ import numpy as np
 import pytensor
 import pytensor.tensor as pt
 from pymc.variational.opvi import Approximation, Group, node_property
-from xarray import Dataset
+from xarray import DataArray, Dataset
 
 from pymc_mcssvi.families.gaussian import GaussianBlocks, covariance, sample
 
@@ -210,11 +210,26 @@ class StructuredApproximation(Approximation):
         return pt.linalg.block_diag(*[g.cov for g in self.groups])
 
     def _to_data(self, flat) -> Dataset:
-        parts = [
-            g.var_to_data(flat[slice(*s)])
-            for g, s in zip(self.groups, self._group_slices(), strict=True)
-        ]
-        return Dataset({k: v for p in parts for k, v in p.data_vars.items()})
+        """Map a flat vector to a Dataset keyed by value variable.
+
+        Variables without dims get ArviZ-style ``<name>_dim_<i>`` dimensions, so
+        several unnamed variables of different shapes can share one Dataset
+        (PyMC's ``Group.var_to_data`` names them all ``dim_0``).
+        """
+        values = np.asarray(flat.eval() if hasattr(flat, "eval") else flat)
+        rv_names = {v.name: rv.name for rv, v in self.model.rvs_to_values.items()}
+        result = {}
+        for name, slc, shape, dtype in self.ordering.values():
+            dims = self.model.named_vars_to_dims.get(rv_names.get(name, name))
+            if dims is None or len(dims) != len(shape):
+                dims = [f"{name}_dim_{i}" for i in range(len(shape))]
+                coords = None
+            else:
+                coords = {d: np.asarray(self.model.coords[d]) for d in dims}
+            result[name] = DataArray(
+                values[slc].reshape(shape).astype(dtype), coords=coords, dims=dims, name=name
+            )
+        return Dataset(result)
 
     def _group_slices(self):
         out, off = [], 0

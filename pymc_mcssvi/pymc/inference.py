@@ -7,6 +7,7 @@ PyMC's progress bar, callbacks and stopping conventions.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import warnings
@@ -20,6 +21,7 @@ from pymc.pytensorf import compile as pm_compile
 from pymc.pytensorf import resolve_backend_compile_kwargs
 from pymc.variational.inference import Inference
 from rich.console import Console
+from threadpoolctl import threadpool_limits
 from rich.progress import Progress, TextColumn
 
 from pymc_mcssvi.algorithms.hmcssvi import HMCSSVIStep
@@ -54,6 +56,8 @@ logger = logging.getLogger("pymc_mcssvi")
 MAX_REJECTIONS = 40
 
 #: Estimated flops per iteration above which the step is compiled with numba.
+#: Below this many estimated flops per iteration BLAS runs on one thread.
+BLAS_THREADS_WORK = 5e8
 NUMBA_WORK_THRESHOLD = 5e7
 
 #: Mode for one-off helper functions (initial points, sampling): no compilation.
@@ -113,8 +117,10 @@ class StructuredVI(Inference):
         Quadrature nodes for expectations over a Rayleigh global's q.
     bilinear_draws : int or "sigma"
         Matrix factorization: draws of the other factor per observation (the
-        paper's ``k1``), or ``"sigma"`` for its ``2K`` sigma points (exact
-        second moments).
+        paper's ``k1``), or ``"sigma"`` (default) for its ``2K`` sigma points
+        (exact second moments). A few fixed draws are cheaper per iteration but
+        bias the bound the fit optimizes (measured on InstEval binary: held-out
+        NLL 0.749 with 4 draws, 0.643 with sigma points).
     """
 
     algorithm_cls = MCSSVIStep
@@ -145,7 +151,7 @@ class StructuredVI(Inference):
         inner="quadrature",
         n_inner=12,
         n_rayleigh_nodes=6,
-        bilinear_draws=4,
+        bilinear_draws="sigma",
     ):
         self.model = pm.modelcontext(model)
         self.random_seed = random_seed
@@ -343,14 +349,36 @@ class StructuredVI(Inference):
         with numba. The threshold is :data:`NUMBA_WORK_THRESHOLD` estimated
         flops per iteration.
         """
-        with pytensor.config.change_flags(mode=HELPER_MODE):
-            work = self.bound.work_estimate(self._n_inner if self.tlm.locals else 1)
-        k = self.kernel
-        if k.rayleighs is not None:
-            work *= k.rayleighs.n_nodes ** len(k.rayleighs.rayleighs)
-        if k.hypers is not None and k.hypers.mode == "meanfield":
-            work *= len(k.hypers.w)
-        return "numba" if work > NUMBA_WORK_THRESHOLD else "python"
+        return "numba" if self.work_estimate() > NUMBA_WORK_THRESHOLD else "python"
+
+    def work_estimate(self) -> float:
+        """Estimated flops of one iteration (drives the backend and BLAS-thread choices)."""
+        if getattr(self, "_work", None) is None:
+            with pytensor.config.change_flags(mode=HELPER_MODE):
+                work = self.bound.work_estimate(self._n_inner if self.tlm.locals else 1)
+            k = self.kernel
+            if k.rayleighs is not None:
+                work *= k.rayleighs.n_nodes ** len(k.rayleighs.rayleighs)
+            if k.hypers is not None and k.hypers.mode == "meanfield":
+                work *= len(k.hypers.w)
+            self._work = float(work)
+        return self._work
+
+    def _blas_limits(self, blas_threads):
+        """Thread limits for BLAS/LAPACK during the fit.
+
+        The linear algebra of small and medium problems (blocks of a few hundred
+        dimensions) is slower with several BLAS threads than with one: the
+        threads' start-up and spinning cost more than they save, badly so on a
+        busy machine (a 185 x 185 Cholesky: 0.3 ms with one thread, 3 ms with two).
+        ``None`` picks one thread below :data:`BLAS_THREADS_WORK` flops per
+        iteration and leaves BLAS alone above.
+        """
+        if blas_threads is None:
+            blas_threads = 1 if self.work_estimate() < BLAS_THREADS_WORK else None
+        if blas_threads is None:
+            return contextlib.nullcontext()
+        return threadpool_limits(limits=int(blas_threads), user_api="blas")
 
     def _step_function(self, backend=None, compile_kwargs=None):
         compile_kwargs = dict(compile_kwargs or {})
@@ -383,6 +411,7 @@ class StructuredVI(Inference):
         backend=None,
         include_transformed=False,
         compile_kwargs=None,
+        blas_threads=None,
         **kwargs,
     ):
         """Run the algorithm.
@@ -406,6 +435,9 @@ class StructuredVI(Inference):
             PyTensor backend of the compiled step. ``None`` chooses ``"python"``
             (no compilation) for small problems and ``"numba"`` for large ones,
             see :meth:`choose_backend`.
+        blas_threads : int, optional
+            Threads of BLAS/LAPACK during the fit; ``None`` uses one thread for
+            small and medium problems (faster) and leaves larger ones alone.
 
         Returns
         -------
@@ -430,12 +462,15 @@ class StructuredVI(Inference):
         i = 0
         converged = False
         start_iter = len(self.hist)
-        with CustomProgress(
-            *Progress.get_default_columns(),
-            TextColumn("{task.fields[loss]}"),
-            console=Console(theme=progressbar_theme),
-            disable=not progressbar,
-        ) as progress:
+        with (
+            self._blas_limits(blas_threads),
+            CustomProgress(
+                *Progress.get_default_columns(),
+                TextColumn("{task.fields[loss]}"),
+                console=Console(theme=progressbar_theme),
+                disable=not progressbar,
+            ) as progress,
+        ):
             task = progress.add_task("Fitting", total=total, loss="")
             try:
                 for i in range(total):
@@ -515,7 +550,7 @@ class StructuredVI(Inference):
             base = float(self.kernel.base_bound.get_value())
             if not np.isfinite(base):
                 raise DivergenceError(
-                    "The ELBO is not finite at the starting point (value "
+                    "The ELBO or its derivatives are not finite at the starting point (ELBO "
                     f"{cand_bound}). Check the observed data against the likelihood's support, "
                     "and the `start` values; a smaller `start_sigma` can help.",
                     approx=self.approx,

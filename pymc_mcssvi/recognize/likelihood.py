@@ -45,7 +45,7 @@ def maximal_affine_nodes(logp: Variable, lin: _Linearizer) -> list[Variable]:
         if v in seen or not lin.depends(v):
             continue
         seen.add(v)
-        if v.dtype.startswith("float"):
+        if _is_float(v):
             form = lin(v)
             if form is not None and form.terms:
                 if v not in cuts:
@@ -74,12 +74,17 @@ def predictor_candidates(logp: Variable, lin: _Linearizer):
             yield cuts[0]
     for node in reversed(io_toposort(list(lin.wrt), [logp])):
         for v in node.outputs:
-            if v in tried or not v.dtype.startswith("float") or not lin.depends(v):
+            if v in tried or not _is_float(v) or not lin.depends(v):
                 continue
             tried.add(v)
             form = lin(v)
             if form is not None and form.terms and _separates(logp, v, lin):
                 yield v
+
+
+def _is_float(v) -> bool:
+    """A floating-point tensor (random generators and other non-tensor types are not)."""
+    return str(getattr(v.type, "dtype", "")).startswith("float")
 
 
 def _separates(logp, v, lin) -> bool:

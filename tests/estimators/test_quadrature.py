@@ -91,5 +91,6 @@ def test_monte_carlo_option_is_unbiased():
     T_mc, a_mc, b_mc = expected_derivatives(
         logp, f, pt.as_tensor([0.5]), pt.as_tensor([0.2]), method="mc", n_points=200_000
     )
+    # 200k unseeded draws: standard errors ~1% of alpha and beta; 5% is ~5 standard errors
     for q, mc in [(T_q, T_mc), (a_q, a_mc), (b_q, b_mc)]:
-        np.testing.assert_allclose(mc.eval(), q.eval(), rtol=0.02)
+        np.testing.assert_allclose(mc.eval(), q.eval(), rtol=0.05)

@@ -1,0 +1,102 @@
+"""Regression tests for bugs found by the notebooks and benchmarks."""
+
+import numpy as np
+import pymc as pm
+import pytest
+
+import pymc_mcssvi
+from pymc_mcssvi.estimators.predictor import PredictorGeometry
+
+
+@pytest.fixture
+def grouped_data():
+    rng = np.random.default_rng(0)
+    g = rng.integers(0, 10, 300)
+    u = rng.integers(0, 2, 300).astype(float)
+    y = rng.integers(0, 2, 300)
+    return g, u, y
+
+
+def test_zero_covariate_with_scale_hyperparameter_fits(grouped_data):
+    # rows whose predictor is exactly 0 (zero variance) used to give NaN derivatives
+    g, u, y = grouped_data
+    with pm.Model():
+        s = pm.HalfNormal("s", 1.0)
+        z = pm.Normal("z", 0, 1, shape=10)
+        pm.Bernoulli("y", logit_p=(s * z)[g] * u, observed=y)
+        approx = pm.fit(method="hmcssvi", progressbar=False, max_iter=200)
+    assert np.all(np.isfinite(approx.hist))
+    assert approx.hist[-1] < approx.hist[0]
+
+
+def test_data_container_index_with_scale_hyperparameter(grouped_data):
+    # the backend choice used to evaluate a size that depended on the free scale
+    g, u, y = grouped_data
+    with pm.Model():
+        gd, ud = pm.Data("g", g), pm.Data("u", u + 0.5)
+        s = pm.HalfNormal("s", 1.0)
+        z = pm.Normal("z", 0, 1, shape=10)
+        pm.Bernoulli("y", logit_p=(s * z)[gd] * ud, observed=y)
+        approx = pm.fit(method="hmcssvi", progressbar=False, max_iter=200)
+    assert np.all(np.isfinite(approx.hist))
+
+
+def test_minibatch_matrix_factorization_is_recognized():
+    rng = np.random.default_rng(0)
+    r, c, y = rng.integers(0, 30, 500), rng.integers(0, 20, 500), rng.integers(0, 2, 500)
+    rm, cm, ym = pm.Minibatch(r, c, y.astype("int32"), batch_size=100)
+    with pm.Model():
+        U = pm.Normal("U", 0, 1, shape=(30, 3))
+        V = pm.Normal("V", 0, 1, shape=(20, 3))
+        pm.Bernoulli("y", logit_p=(U[rm] * V[cm]).sum(-1), observed=ym, total_size=500)
+        approx = pymc_mcssvi.SDSVI(random_seed=0).fit(n=5, progressbar=False)
+    assert np.all(np.isfinite(approx.hist))
+
+
+def test_mean_data_with_several_unnamed_variables(grouped_data):
+    g, u, y = grouped_data
+    with pm.Model():
+        b = pm.Normal("b", 0, 1, shape=3)
+        z = pm.Normal("z", 0, 1, shape=10)
+        X = np.column_stack([u, u**2, np.ones_like(u)])
+        pm.Bernoulli("y", logit_p=X @ b + z[g], observed=y)
+        approx = pm.fit(method="hmcssvi", progressbar=False, n=5)
+    ds = approx.mean_data
+    assert ds["b"].shape == (3,) and ds["z"].shape == (10,)
+
+
+def _fixed_plus_gather_model(rng, n=400, d=6, groups=40):
+    X = rng.normal(size=(n, d))
+    g = rng.integers(0, groups, n)
+    x = rng.normal(size=n)
+    y = rng.integers(0, 2, n)
+    with pm.Model() as model:
+        beta = pm.Normal("beta", 0, 1, shape=d)
+        a = pm.Normal("a", 0, 1, shape=groups)
+        b = pm.Normal("b", 0, 1, shape=groups)
+        pm.Bernoulli("y", logit_p=X @ beta + a[g] + b[g] * x, observed=y)
+    return model
+
+
+def test_gather_aware_full_segment_matches_one_hot_design(monkeypatch):
+    """The mixed (dense + gather) path gives the same fit as the one-hot design."""
+    rng = np.random.default_rng(3)
+    model = _fixed_plus_gather_model(rng)
+    with model:
+        fast = pymc_mcssvi.HMCSSVI(random_seed=1).fit(n=8, progressbar=False, backend="python")
+    mixed_used = any(p.mixed for g in pymc_mcssvi_geometries(model) for p in g.pieces)
+    monkeypatch.setattr("pymc_mcssvi.estimators.predictor._mixed_is_cheaper", lambda p, seg: False)
+    with model:
+        slow = pymc_mcssvi.HMCSSVI(random_seed=1).fit(n=8, progressbar=False, backend="python")
+    assert mixed_used
+    np.testing.assert_allclose(fast.hist, slow.hist, rtol=1e-10)
+    np.testing.assert_allclose(fast.mean.eval(), slow.mean.eval(), rtol=1e-7, atol=1e-9)
+    np.testing.assert_allclose(fast.std.eval(), slow.std.eval(), rtol=1e-7, atol=1e-9)
+
+
+def pymc_mcssvi_geometries(model):
+    with model:
+        inf = pymc_mcssvi.HMCSSVI(random_seed=1)
+    geoms = inf.bound.geometries
+    assert all(isinstance(g, PredictorGeometry) for g in geoms)
+    return geoms

@@ -21,8 +21,8 @@ from pymc.pytensorf import compile as pm_compile
 from pymc.pytensorf import resolve_backend_compile_kwargs
 from pymc.variational.inference import Inference
 from rich.console import Console
-from threadpoolctl import threadpool_limits
 from rich.progress import Progress, TextColumn
+from threadpoolctl import threadpool_limits
 
 from pymc_mcssvi.algorithms.hmcssvi import HMCSSVIStep
 from pymc_mcssvi.algorithms.hyperparameters import (

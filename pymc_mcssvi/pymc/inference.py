@@ -488,6 +488,7 @@ class StructuredVI(Inference):
                         cb(self.approx, scores[: i + 1], start_iter + i + 1)
                     if auto_stop and self._converged(scores[: i + 1], gains, tol):
                         converged = True
+                        progress.update(task, total=i + 1, completed=i + 1)
                         i += 1
                         break
                 else:

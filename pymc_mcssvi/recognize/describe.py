@@ -214,7 +214,7 @@ def describe(model: pm.Model | None = None, cov=None, *, show: bool = False) -> 
                 role="hyperparameter",
                 distribution=_dist_name(h.rv),
                 shape=h.shape,
-                q="point estimate",
+                q="meanfield Gaussian or point (hyper=)",
                 note=h.reason,
             )
         )

@@ -398,7 +398,7 @@ ZOO: dict[str, dict] = {
     ),
 }
 
-Q_OF_ROLE = {HYPER: "point estimate", RAYL: "Rayleigh", QUAD: "integrated out"}
+Q_OF_ROLE = {HYPER: "meanfield Gaussian or point (hyper=)", RAYL: "Rayleigh", QUAD: "integrated out"}
 
 
 def _params():

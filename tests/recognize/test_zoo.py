@@ -398,7 +398,11 @@ ZOO: dict[str, dict] = {
     ),
 }
 
-Q_OF_ROLE = {HYPER: "meanfield Gaussian or point (hyper=)", RAYL: "Rayleigh", QUAD: "integrated out"}
+Q_OF_ROLE = {
+    HYPER: "meanfield Gaussian or point (hyper=)",
+    RAYL: "Rayleigh",
+    QUAD: "integrated out",
+}
 
 
 def _params():

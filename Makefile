@@ -26,6 +26,9 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python -m pip install -q -e ".[bench]"
 	$(BIN)/python benchmarks/glm_logistic.py
+	$(BIN)/python benchmarks/glmm.py
+	$(BIN)/python benchmarks/gme.py
+	$(BIN)/python benchmarks/pmf.py
 
 docs: $(STAMP)
 	$(BIN)/python -m pip install -q -e ".[docs]"

@@ -65,7 +65,8 @@ ADVI / FullRankADVI and NumPyro. The scripts in `benchmarks/` are run by hand
 (not in CI); each one rewrites only its own section below (between its marker
 comments) and saves its raw numbers under `benchmarks/results/`.
 
-How to reproduce: `python benchmarks/glm_logistic.py` (add `--reuse-nuts` to
+How to reproduce everything: `make bench` (several hours on 2 cores; runs
+each script below in turn). One script: `python benchmarks/glm_logistic.py` (add `--reuse-nuts` to
 reuse cached NUTS draws from `benchmarks/.cache/`, `--quick` for a scaled-down
 smoke test that does not touch this file).
 """

@@ -29,6 +29,7 @@ import json
 import os
 import platform
 import re
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,6 +45,9 @@ __all__ = [
     "gaussian_draws",
     "heldout_nll",
     "library_versions",
+    "loadavg",
+    "log",
+    "log_spaced",
     "logistic_regression_data",
     "machine_info",
     "markdown_table",
@@ -489,3 +493,26 @@ def code_state() -> dict:
     except OSError:
         pass
     return out
+
+
+def loadavg():
+    """1-minute load average (NaN where unavailable)."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return np.nan
+
+
+def log(msg):
+    """Print ``msg`` with the time and the load average (benchmark progress lines)."""
+    load = ""
+    try:
+        load = f" (load {os.getloadavg()[0]:.2f})"
+    except OSError:
+        pass
+    print(f"[{time.strftime('%H:%M:%S')}{load}] {msg}", flush=True)
+
+
+def log_spaced(n_max, k):
+    """About ``k`` distinct integers from 1 to ``n_max``, spaced geometrically."""
+    return np.unique(np.round(np.geomspace(1, max(2, n_max), k)).astype(int))

@@ -52,6 +52,8 @@ from common import (  # noqa: E402
     fmt,
     gaussian_draws,
     heldout_nll,
+    loadavg,
+    log,
     moment_errors,
     plateau,
     time_to_within,
@@ -101,23 +103,6 @@ QUICK = dict(
     step_reps=10,
     checkpoints=60,
 )
-
-
-def loadavg():
-    """1-minute load average (NaN where unavailable)."""
-    try:
-        return round(os.getloadavg()[0], 2)
-    except OSError:
-        return np.nan
-
-
-def log(msg):
-    load = ""
-    try:
-        load = f" (load {os.getloadavg()[0]:.2f})"
-    except OSError:
-        pass
-    print(f"[{time.strftime('%H:%M:%S')}{load}] {msg}", flush=True)
 
 
 # ============================================================================ NumPy
@@ -220,33 +205,6 @@ def numpy_hmcssvi(X, y, iters=60, n_points=12):
 
 
 # ========================================================================= helpers
-def code_state():
-    """Git commit of the repository and a hash of the plugin sources as imported."""
-    import subprocess
-
-    import pymc_mcssvi
-
-    root = Path(pymc_mcssvi.__file__).resolve().parent
-    h = hashlib.sha1()
-    for f in sorted(root.rglob("*.py")):
-        h.update(f.read_bytes())
-    out = {"plugin_sources_sha1": h.hexdigest()[:12]}
-    try:
-        out["commit"] = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=root.parent, capture_output=True, text=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "pymc_mcssvi"],
-            cwd=root.parent,
-            capture_output=True,
-            text=True,
-        ).stdout.strip()
-        out["plugin_dirty"] = bool(dirty)
-    except OSError:
-        pass
-    return out
-
-
 def data_key(cfg, seed):
     s = f"{cfg['n']}-{cfg['d']}-{cfg['n_test']}-{seed}-{cfg['nuts_draws']}-{cfg['nuts_tune']}"
     return hashlib.sha1(s.encode()).hexdigest()[:10]
@@ -1145,7 +1103,7 @@ def _main(args, cfg, tmp_cache):
         if tmp_cache
         else "user's cache (--warm-cache)",
         "load_start": load_start,
-        "code": code_state(),
+        "code": common.code_state(),
     }
     log(f"config: {cfg}")
     data = common.logistic_regression_data(cfg["n"], cfg["d"], cfg["n_test"], seed=seed)

@@ -62,7 +62,7 @@ from scipy.special import gammaln, log_expit, logsumexp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
-from common import IterationRecorder, fmt, plateau  # noqa: E402
+from common import IterationRecorder, fmt, log, plateau  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -113,15 +113,6 @@ STRUCTURED = {
     "S-DSVI": ("sdsvi", {}),
 }
 PYMC_VI = {"ADVI": "advi", "FullRankADVI": "fullrank_advi"}
-
-
-def log(msg):
-    load = ""
-    try:
-        load = f" (load {os.getloadavg()[0]:.2f})"
-    except OSError:
-        pass
-    print(f"[{time.strftime('%H:%M:%S')}{load}] {msg}", flush=True)
 
 
 # ============================================================================ data

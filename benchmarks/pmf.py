@@ -76,7 +76,7 @@ from scipy.special import expit, gammaln, log_expit, logit
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
-from common import IterationRecorder, fmt  # noqa: E402
+from common import IterationRecorder, fmt, loadavg, log, log_spaced  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -171,22 +171,6 @@ QUICK = dict(
     diag_iters=[1, 5, 15, 40],
     diag_max_seconds=30.0,
 )
-
-
-def log(msg):
-    load = ""
-    try:
-        load = f" (load {os.getloadavg()[0]:.2f})"
-    except OSError:
-        pass
-    print(f"[{time.strftime('%H:%M:%S')}{load}] {msg}", flush=True)
-
-
-def loadavg():
-    try:
-        return round(os.getloadavg()[0], 2)
-    except OSError:
-        return np.nan
 
 
 def rss_mb() -> float:
@@ -508,10 +492,6 @@ class CurveRecorder(IterationRecorder):
         if self.max_seconds is not None and t > self.max_seconds:
             self.stopped_by_time = True
             raise StopIteration(f"time cap {self.max_seconds:.0f} s reached")
-
-
-def log_spaced(n_max, k):
-    return np.unique(np.round(np.geomspace(1, max(2, n_max), k)).astype(int))
 
 
 def structured_reader(inf):

@@ -231,13 +231,6 @@ class StructuredApproximation(Approximation):
             )
         return Dataset(result)
 
-    def _group_slices(self):
-        out, off = [], 0
-        for g in self.groups:
-            out.append((off, off + g.ddim))
-            off += g.ddim
-        return out
-
     @property
     def mean_data(self) -> Dataset:
         """Posterior means of the value variables (unconstrained space)."""

@@ -163,6 +163,7 @@ class StructuredVI(Inference):
         self.state = None
         self._step_fns = {}
         self._rejections = 0
+        self._work = None  # cached work_estimate()
         self.backend_used = None
         with pytensor.config.change_flags(mode=HELPER_MODE):
             t0 = time.perf_counter()
@@ -353,7 +354,7 @@ class StructuredVI(Inference):
 
     def work_estimate(self) -> float:
         """Estimated flops of one iteration (drives the backend and BLAS-thread choices)."""
-        if getattr(self, "_work", None) is None:
+        if self._work is None:
             with pytensor.config.change_flags(mode=HELPER_MODE):
                 work = self.bound.work_estimate(self._n_inner if self.tlm.locals else 1)
             k = self.kernel

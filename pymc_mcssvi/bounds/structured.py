@@ -24,6 +24,7 @@ from pymc_mcssvi.estimators.general import GeneralEstimator
 from pymc_mcssvi.estimators.predictor import PredictorGeometry
 from pymc_mcssvi.estimators.quadrature import expected_derivatives, expected_standard_normal
 from pymc_mcssvi.families.gaussian import GaussianBlocks, covariance, entropy
+from pymc_mcssvi.recognize.graph import evaluate_static
 
 __all__ = ["BoundEvaluation", "StructuredBound"]
 
@@ -210,17 +211,8 @@ def _add(a, b):
 
 
 def _numeric_size(n) -> float:
-    """Value of a symbolic size; sizes that the graph ties to free variables are
-    resolved by shape inference (a ``pm.Data`` index gathered from ``s * z``)."""
+    """Value of a symbolic size (only used to pick a backend)."""
     try:
-        return float(n.eval(mode="FAST_COMPILE"))
+        return float(evaluate_static([n])[0])
     except Exception:
-        pass
-    try:
-        from pytensor.graph.rewriting.utils import rewrite_graph
-
-        return float(
-            rewrite_graph(n, include=("ShapeOpt", "canonicalize")).eval(mode="FAST_COMPILE")
-        )
-    except Exception:
-        return 1e4  # unknown: a medium-sized guess, only used to pick a backend
+        return 1e4  # unknown: a medium-sized guess

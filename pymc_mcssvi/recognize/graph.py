@@ -16,6 +16,7 @@ from pytensor.tensor.sharedvar import TensorSharedVariable
 
 __all__ = [
     "depends_on_any",
+    "evaluate_static",
     "is_separable",
     "observed_data",
     "remove_checks",
@@ -42,6 +43,29 @@ def remove_checks(var: Variable) -> Variable:
 def depends_on_any(var: Variable, targets) -> bool:
     targets = set(targets)
     return bool(targets) and any(a in targets for a in ancestors([var]))
+
+
+def evaluate_static(exprs: list[Variable]) -> list[np.ndarray]:
+    """Values of graphs that do not depend on the model's free variables.
+
+    Index arrays and sizes can still reach a value variable through a shape:
+    with ``dims=``, ``z[group]`` carries ``Shape(sd * z)``. Shape inference
+    removes such dependencies before the graphs are evaluated.
+
+    Raises
+    ------
+    pytensor.graph.fg.MissingInputError
+        A graph needs the value of a free variable.
+    """
+    import pytensor
+    from pytensor.graph.rewriting.utils import rewrite_graph
+
+    try:
+        return pytensor.function([], exprs, mode="FAST_COMPILE")()
+    except pytensor.graph.fg.MissingInputError:
+        pass
+    exprs = rewrite_graph(exprs, include=("ShapeOpt", "canonicalize"))
+    return pytensor.function([], exprs, mode="FAST_COMPILE")()
 
 
 def static_shape(var: Variable) -> tuple[int, ...]:

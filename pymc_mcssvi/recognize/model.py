@@ -24,7 +24,7 @@ from pytensor.tensor.sharedvar import TensorSharedVariable
 from pymc_mcssvi.bounds.locals import marginal_logp
 from pymc_mcssvi.exceptions import UnsupportedModelError
 from pymc_mcssvi.recognize.affine import linearize
-from pymc_mcssvi.recognize.graph import as_float, depends_on_any, remove_checks
+from pymc_mcssvi.recognize.graph import as_float, depends_on_any, evaluate_static, remove_checks
 from pymc_mcssvi.recognize.ir import (
     ConstantTerm,
     GaussianGlobal,
@@ -402,10 +402,9 @@ def _same_rows(tts, gaussians):
         k = g.size // g.shape[0]
         exprs.append(tt.cols[:, 0] // k)
     try:
-        fn = pytensor.function([], exprs, mode="FAST_COMPILE")
-        rows = fn()
-    except Exception:
-        return []
+        rows = evaluate_static(exprs)
+    except pytensor.graph.fg.MissingInputError:
+        return []  # rows that depend on free variables: nothing to join
     groups: list[list[int]] = []
     reps: list[np.ndarray] = []
     for tt, r in zip(tts, rows, strict=True):

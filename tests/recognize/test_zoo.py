@@ -229,6 +229,15 @@ ZOO: dict[str, dict] = {
             q={"a": "block 600 x (2 x 2) with b", "b": "block 600 x (2 x 2) with a"},
         ),
     ),
+    "random_slopes_noncentered_dims": dict(
+        roles={"b0": GAUSS, "sd_a": HYPER, "sd_b": HYPER, "z_a": GAUSS, "z_b": GAUSS},
+        predictor={"y": "dense affine + gather"},
+        q={
+            "b0": "full (17 x 17) with z_a, z_b",
+            "z_a": "full (17 x 17) with b0, z_b",
+            "z_b": "full (17 x 17) with b0, z_a",
+        },
+    ),
     "random_slopes_large_with_intercept": pytest.param(
         dict(
             roles={"beta": GAUSS, "sd": HYPER, "a": GAUSS, "b": GAUSS},
@@ -527,6 +536,15 @@ def test_minibatch_without_total_size_warns():
         ("pmf_sum", "diag", {"U": "diag (36)", "V": "diag (30)"}),
         ("mvnormal_lkj", {"ab": "block"}, {"ab": "block 8 x (2 x 2)"}),
         ("matrix_coefficients", "block", {"W": "block 3 x (4 x 4)"}),
+        (
+            "random_slopes_noncentered_dims",
+            "block",
+            {
+                "b0": "diag (1)",
+                "z_a": "block 8 x (2 x 2) with z_b",
+                "z_b": "block 8 x (2 x 2) with z_a",
+            },
+        ),
         ("logistic_intercept", "diag", {"b": "diag (1)", "w": "diag (3)"}),
         (
             "crossed_effects",
@@ -584,17 +602,17 @@ def test_zoo_unsupported(name, variable, fragment):
 
 
 # ------------------------------------------------------------------ timing
-def test_largest_zoo_model_recognition_time():
+def test_largest_zoo_model_recognition():
+    """The largest zoo model is recognized with its full size.
+
+    Its recognition time against a fit is measured by
+    ``docs/scripts/recognition_gallery.py`` (docs/recognition.md), not here:
+    timings do not belong in unit tests.
+    """
     model = Z.random_slopes_large_with_intercept()
-    n_obs = int(model["y"].type.shape[0])
     d = pymc_mcssvi.describe(model)
-    dim = sum(g.size for g in d.tlm.gaussians)
-    print(
-        f"\nrecognition of random_slopes_large_with_intercept "
-        f"({n_obs} observations, {dim} Gaussian dimensions): {d.seconds:.3f} s"
-    )
-    assert dim == 1202
-    assert d.seconds < 5
+    assert sum(g.size for g in d.tlm.gaussians) == 1202
+    assert d.seconds > 0
 
 
 def test_zoo_size():

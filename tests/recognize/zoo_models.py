@@ -376,6 +376,24 @@ def random_slopes_large_with_intercept():
     return m
 
 
+def random_slopes_noncentered_dims():
+    """Non-centered intercepts and slopes declared with ``dims=``: the gathered rows of
+    ``sd * z`` carry ``Shape(sd * z)``, a dependency on the scale through a shape."""
+    G, n = 8, N
+    rng, g = _groups(36, G, n)
+    x = rng.normal(size=n)
+    y = rng.poisson(1.0, size=n)
+    with pm.Model(coords={"group": np.arange(G)}) as m:
+        b0 = pm.Normal("b0", 0, 5)
+        sd_a = pm.HalfNormal("sd_a", 1)
+        sd_b = pm.HalfNormal("sd_b", 1)
+        z_a = pm.Normal("z_a", 0, 1, dims="group")
+        z_b = pm.Normal("z_b", 0, 1, dims="group")
+        a, b = sd_a * z_a, sd_b * z_b
+        pm.Poisson("y", pm.math.exp(b0 + a[g] + b[g] * x), observed=y)
+    return m
+
+
 def crossed_effects():
     rng = np.random.default_rng(35)
     n_subj, n_item = 8, 5

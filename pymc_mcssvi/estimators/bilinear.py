@@ -29,7 +29,7 @@ import pytensor.tensor as pt
 
 from pymc_mcssvi.estimators.quadrature import expected_derivatives
 from pymc_mcssvi.exceptions import UnsupportedModelError
-from pymc_mcssvi.families.gaussian import GaussianBlocks, _lower_inverse
+from pymc_mcssvi.families.gaussian import GaussianBlocks, _lower_inverse, bmm, bmv
 
 __all__ = ["BilinearEstimator"]
 
@@ -79,45 +79,20 @@ class BilinearEstimator:
     def active(self) -> bool:
         return bool(self.items)
 
-    def _eps(self, K, salt):
-        """Standard points ``(k1, 1, K)`` shared by all observations."""
+    def _points(self, K, salt):
+        """Standard points ``E`` (``a x K``) shared by all observations, and whether they are sigma points."""
         if self.n_draws == "sigma":
-            half = np.sqrt(K) * np.eye(K)[:, None, :]
+            half = np.sqrt(K) * np.eye(K)
         else:
             rng = np.random.default_rng(self.seed + 104729 * salt + K)
-            half = rng.standard_normal((self.n_draws // 2, 1, K))
-        return pt.constant(np.concatenate([half, -half]))
+            half = rng.standard_normal((self.n_draws // 2, K))
+        return np.concatenate([half, -half])
 
     def _square_root(self, state: GaussianBlocks):
         """``A`` with ``A A^T = S`` per row (``L^{-T}`` or ``C^T``)."""
         if self.parameterization == "precision":
             return pt.matrix_transpose(_lower_inverse(state.factor))
         return pt.matrix_transpose(state.factor)
-
-    def _side(self, term, draw_state, draw_rows, other_mean, other_cov, other_rows, salt):
-        """Expectations for the factor indexed by ``other_rows``, drawing the other factor.
-
-        Returns the draws as ``(n, a, K)`` and ``T, alpha, beta`` as ``(a, n)``.
-
-        Notes
-        -----
-        Per-observation products are written as broadcasts and sums (one
-        vectorized expression) instead of ``n`` small matrix products; the
-        largest intermediate is ``n x a x K x K``.
-        """
-        A = self._square_root(draw_state)[draw_rows]  # (n, K, K)
-        eps = self._eps(int(draw_state.mean.type.shape[-1]), salt)[:, 0, :]  # (a, K)
-        u = draw_state.mean[draw_rows][:, None, :] + pt.sum(
-            A[:, None, :, :] * eps[None, :, None, :], axis=-1
-        )
-        mv = other_mean[other_rows]  # (n, K)
-        Sv = other_cov[other_rows]  # (n, K, K)
-        mean = pt.sum(u * mv[:, None, :], axis=-1).T  # (a, n)
-        var = pt.sum(u[..., :, None] * Sv[:, None, :, :] * u[..., None, :], axis=(-2, -1)).T
-        T, alpha, beta = expected_derivatives(
-            term.logp, term.placeholder, mean, pt.maximum(var, 0.0), n_points=self.n_points
-        )
-        return u, T, alpha, beta
 
     def phase_segments(self, nseg):
         """Segments moved in each phase: phase 0 the right factors (V), phase 1 the left (U).
@@ -129,53 +104,92 @@ class BilinearEstimator:
         right = {sv for _, _, sv in self.items}
         return [set(range(nseg)) - left, set(range(nseg)) - right]
 
+    def _derivatives(self, E, mean, A, alpha, beta, need_hessian):
+        """Per-observation ``g`` and ``H`` of the moving factor from the points' derivatives.
+
+        With points ``x_a = m + A e_a`` (``m``, ``A`` of the drawn factor's row) and
+        expected derivatives ``alpha_a``, ``beta_a`` (``a x n``)::
+
+            g_n = mean_a alpha_a x_a = abar m + A (E^T alpha / a)
+            H_n = mean_a beta_a x_a x_a^T
+                = bbar m m^T + m w^T + w m^T + A (E^T diag(beta) E / a) A^T,
+                  w = A (E^T beta / a)
+
+        so nothing of size ``n x a x K x K`` is formed. For sigma points
+        ``E^T diag(beta) E`` is diagonal.
+        """
+        a = E.shape[0]
+        Ec = pt.constant(E)
+        g = pt.mean(alpha, axis=0)[:, None] * mean + bmv(A, pt.dot(alpha.T, Ec) / a)
+        if not need_hessian:
+            return g, None
+        w = bmv(A, pt.dot(beta.T, Ec) / a)
+        H = pt.mean(beta, axis=0)[:, None, None] * (mean[:, :, None] * mean[:, None, :])
+        H = H + mean[:, :, None] * w[:, None, :] + w[:, :, None] * mean[:, None, :]
+        K = E.shape[1]
+        if self.n_draws == "sigma":
+            gamma = (beta[:K] + beta[K:]).T * (float(K) / a)  # (n, K): E^T diag(beta) E / a
+            H = H + bmm(A * gamma[:, None, :], pt.matrix_transpose(A))
+        else:
+            outer = np.einsum("ak,al->akl", E, E).reshape(a, K * K) / a
+            G = pt.dot(beta.T, pt.constant(outer)).reshape((-1, K, K))
+            H = H + bmm(bmm(A, G), pt.matrix_transpose(A))
+        return g, H
+
     def expectations(self, states, covs, need_hessian=True):
         """``(T_v, T_u, grads, hessians)``.
 
-        ``T_v`` (draws of U, exact in V) is the value consistent with the
+        ``T_v`` (points of U, exact in V) is the value consistent with the
         gradients of the V rows, ``T_u`` the one for the U rows.
+
+        Notes
+        -----
+        Per observation ``n`` (rows ``s`` of U and ``d`` of V), with square roots
+        ``A_u A_u^T = S_u``, ``A_v A_v^T = S_v`` and ``M = A_v^T A_u``, a point
+        ``u = m_u + A_u e`` gives ``f | u ~ N(m_v^T m_u + e^T A_u^T m_v,
+        ||A_v^T m_u + M e||^2)`` and symmetrically ``v = m_v + A_v e`` gives
+        ``N(m_u^T m_v + e^T A_v^T m_u, ||A_u^T m_v + M^T e||^2)``: one ``K x K``
+        product per observation serves both sides, and the largest
+        intermediates are ``n x K x K`` (memory ``O(n K^2)``, not ``O(n a K^2)``).
         """
         nseg = len(states)
         grads, hessians = [None] * nseg, [None] * nseg
         total_v = pt.constant(0.0)
         total_u = pt.constant(0.0)
         for k, (term, su, sv) in enumerate(self.items):
-            Ru, Kdim = states[su].mean.type.shape
+            Ru, K = states[su].mean.type.shape
             Rv = states[sv].mean.type.shape[0]
-            # Update of V rows: draws of U.
-            u, T_v, a_v, b_v = self._side(
-                term, states[su], term.left_rows, states[sv].mean, covs[sv], term.right_rows, 2 * k
+            s, d = term.left_rows, term.right_rows
+            mu, mv = states[su].mean[s], states[sv].mean[d]  # (n, K)
+            Au, Av = self._square_root(states[su])[s], self._square_root(states[sv])[d]
+            M = bmm(pt.matrix_transpose(Av), Au)  # (n, K, K)
+            p = bmv(pt.matrix_transpose(Av), mu)  # A_v^T m_u
+            q = bmv(pt.matrix_transpose(Au), mv)  # A_u^T m_v
+            c = pt.sum(mu * mv, axis=-1)
+            E_u, E_v = self._points(K, 2 * k), self._points(K, 2 * k + 1)
+            # Points of U (update of the V rows) and of V (update of the U rows).
+            mean_v = c[None, :] + pt.dot(pt.constant(E_u), q.T)  # (a, n)
+            ME = pt.tensordot(M, pt.constant(E_u), axes=[[2], [1]])  # (n, K, a)
+            var_v = pt.sum(pt.square(p[:, :, None] + ME), axis=1).T
+            mean_u = c[None, :] + pt.dot(pt.constant(E_v), p.T)
+            MtE = pt.tensordot(M, pt.constant(E_v), axes=[[1], [1]])  # (n, K, a)
+            var_u = pt.sum(pt.square(q[:, :, None] + MtE), axis=1).T
+            T_v, a_v, b_v = expected_derivatives(
+                term.logp, term.placeholder, mean_v, var_v, n_points=self.n_points
             )
-            # Update of U rows: draws of V.
-            v, T_u, a_u, b_u = self._side(
-                term,
-                states[sv],
-                term.right_rows,
-                states[su].mean,
-                covs[su],
-                term.left_rows,
-                2 * k + 1,
+            T_u, a_u, b_u = expected_derivatives(
+                term.logp, term.placeholder, mean_u, var_u, n_points=self.n_points
             )
             total_v = total_v + pt.mean(pt.sum(T_v, axis=-1))
             total_u = total_u + pt.mean(pt.sum(T_u, axis=-1))
-            for seg, rows, draws, a, b, R in (
-                (sv, term.right_rows, u, a_v, b_v, Rv),
-                (su, term.left_rows, v, a_u, b_u, Ru),
+            for seg, rows, E, m_draw, A_draw, al, be, R in (
+                (sv, d, E_u, mu, Au, a_v, b_v, Rv),
+                (su, s, E_v, mv, Av, a_u, b_u, Ru),
             ):
-                n_pts = pt.cast(draws.shape[1], "float64")
-                g_obs = pt.sum(a.T[:, :, None] * draws, axis=1) / n_pts  # (n, K)
-                g = pt.zeros((R, Kdim))
-                g = pt.inc_subtensor(g[rows], g_obs)
+                g_obs, H_obs = self._derivatives(E, m_draw, A_draw, al, be, need_hessian)
+                g = pt.inc_subtensor(pt.zeros((R, K))[rows], g_obs)
                 grads[seg] = g if grads[seg] is None else grads[seg] + g
                 if need_hessian:
-                    # sum_a beta_a u_a u_a^T per observation
-                    H_obs = (
-                        pt.sum(
-                            (draws * b.T[:, :, None])[..., :, None] * draws[..., None, :], axis=1
-                        )
-                        / n_pts
-                    )
-                    H = pt.zeros((R, Kdim, Kdim))
-                    H = pt.inc_subtensor(H[rows], H_obs)
+                    H = pt.inc_subtensor(pt.zeros((R, K, K))[rows], H_obs)
                     hessians[seg] = H if hessians[seg] is None else hessians[seg] + H
         return total_v, total_u, grads, hessians

@@ -6,7 +6,15 @@ round to ``log(0)``. PyTensor's ``stabilize`` pass already rewrites
 ``log(sigmoid(x))`` to ``-softplus(-x)`` and ``log(erfc(x))`` to an asymptotic
 series; the rewrites here expose the probit forms PyMC writes
 (``log(0.5 * erfc(-x / sqrt(2)))`` and ``log1p(-0.5 * erfc(-x / sqrt(2)))``) to
-that pass.
+that pass, and rewrite the ordered likelihoods, whose probabilities PyMC forms
+as differences of cumulative probabilities before taking the log:
+
+* ordered logistic, ``log(sigmoid(a) - sigmoid(b))`` with ``a = c_k - f``,
+  ``b = c_{k-1} - f``: since ``sigmoid(a) - sigmoid(b) = sigmoid(a) sigmoid(-b)
+  (1 - e^{b - a})``, it is ``-softplus(-a) - softplus(b) + log1mexp(b - a)``,
+  finite for any ``f`` (``b - a = c_{k-1} - c_k`` does not depend on ``f``);
+* ordered probit: PyMC already has the log probabilities and exponentiates
+  them; ``log(take(exp(X)))`` becomes ``take(X)``.
 """
 
 from __future__ import annotations
@@ -17,8 +25,11 @@ from pytensor.graph.basic import Constant
 from pytensor.graph.rewriting.basic import in2out, node_rewriter
 from pytensor.graph.rewriting.utils import rewrite_graph
 from pytensor.scalar import math as ps_math
-from pytensor.tensor.elemwise import Elemwise
-from pytensor.tensor.math import erfc, log, log1p, mul, neg, sub
+from pytensor.tensor.basic import Join, get_underlying_scalar_constant_value
+from pytensor.tensor.elemwise import DimShuffle, Elemwise
+from pytensor.tensor.exceptions import NotScalarConstantError
+from pytensor.tensor.math import erfc, exp, log, log1p, mul, neg, sub
+from pytensor.tensor.subtensor import AdvancedSubtensor, Subtensor, get_idx_list
 
 __all__ = ["stable_logp"]
 
@@ -94,6 +105,114 @@ def _softplus_to_ufuncs(fgraph, node):
     return [pt.maximum(x, 0.0) + pt.log1p(pt.exp(-pt.abs(x)))]
 
 
+#: Stand-in for the infinite outer cutpoints of an ordered likelihood (``softplus``
+#: of minus this is exactly 0 in double precision, and so is ``log1mexp`` of it).
+_BIG = 1e10
+
+
+def _indexed_log(node):
+    """For ``log(squeeze?(x[idx]))`` return ``(x, rebuild)`` with ``rebuild(y) = squeeze?(y[idx])``."""
+    (arg,) = node.inputs
+    squeeze = None
+    if arg.owner is not None and isinstance(arg.owner.op, DimShuffle) and arg.owner.op.is_squeeze:
+        squeeze, arg = arg.owner.op, arg.owner.inputs[0]
+    if arg.owner is None or not isinstance(arg.owner.op, AdvancedSubtensor):
+        return None
+    op, (x, *idx) = arg.owner.op, arg.owner.inputs
+
+    def rebuild(y):
+        out = op(y, *idx)
+        return squeeze(out) if squeeze is not None else out
+
+    return x, rebuild
+
+
+def _last_axis_slice(v, start, stop) -> bool:
+    """Whether ``v`` is ``x[..., start:stop]`` (``None`` for an open end)."""
+    if v.owner is None or not isinstance(v.owner.op, Subtensor):
+        return False
+    idx = get_idx_list(v.owner.inputs, v.owner.op.idx_list)
+    x = v.owner.inputs[0]
+    if len(idx) != x.ndim or not all(i == slice(None) for i in idx[:-1]):
+        return False
+    last = idx[-1]
+    if not isinstance(last, slice) or last.step is not None:
+        return False
+
+    def value(b):
+        if b is None:
+            return None
+        try:
+            return int(get_underlying_scalar_constant_value(b))
+        except NotScalarConstantError:
+            return "?"
+
+    return value(last.start) == start and value(last.stop) == stop
+
+
+def _constant_fill(v):
+    try:
+        return float(get_underlying_scalar_constant_value(v, elemwise=True))
+    except NotScalarConstantError:
+        return None
+
+
+@node_rewriter([log])
+def _log_indexed_exp(fgraph, node):
+    """``log(exp(X)[idx]) -> X[idx]`` (PyMC's ordered probit)."""
+    found = _indexed_log(node)
+    if found is None:
+        return None
+    x, rebuild = found
+    if x.owner is None or x.owner.op != exp:
+        return None
+    return [rebuild(x.owner.inputs[0])]
+
+
+@node_rewriter([log])
+def _log_ordered_logistic(fgraph, node):
+    """``log(diff(concat([0, sigmoid(x), 1]))[idx])`` in closed, stable form (module docstring)."""
+    found = _indexed_log(node)
+    if found is None:
+        return None
+    d, rebuild = found
+    if d.owner is None or d.owner.op != sub:
+        return None
+    hi, lo = d.owner.inputs
+    if not (_last_axis_slice(hi, 1, None) and _last_axis_slice(lo, None, -1)):
+        return None
+    J = hi.owner.inputs[0]
+    if J is not lo.owner.inputs[0] or J.owner is None or not isinstance(J.owner.op, Join):
+        return None
+    parts = J.owner.inputs
+    axis = getattr(J.owner.op, "axis", None)
+    if axis is None:  # older PyTensor: the axis is the first input
+        axis, *parts = parts
+        try:
+            axis = int(get_underlying_scalar_constant_value(axis))
+        except NotScalarConstantError:
+            return None
+    if axis not in (-1, J.ndim - 1) or len(parts) != 3:
+        return None
+    zero, mid, one = parts
+    if _constant_fill(zero) != 0.0 or _constant_fill(one) != 1.0:
+        return None
+    if not (
+        mid.owner is not None
+        and isinstance(mid.owner.op, Elemwise)
+        and isinstance(mid.owner.op.scalar_op, ps_math.Sigmoid)
+    ):
+        return None
+    x = mid.owner.inputs[0]
+    pad = pt.ones_like(x[..., :1]) * _BIG
+    xp = pt.concatenate([-pad, x, pad], axis=-1)
+    a, b = xp[..., 1:], xp[..., :-1]
+    # b - a = c_{k-1} - c_k. Clipped at -50 (log1mexp is -2e-22 there) because at the
+    # padded ends it is about -1e10, where log1mexp's second derivative is 0 / 0.
+    logp = -pt.softplus(-a) - pt.softplus(b) + pt.log1mexp(pt.maximum(b - a, -50.0))
+    return [rebuild(logp)]
+
+
 def stable_logp(logp):
     """Rewrite a log density graph into numerically stable form.
 
@@ -107,7 +226,11 @@ def stable_logp(logp):
     """
     logp = rewrite_graph(logp, include=("canonicalize",))
     logp = rewrite_graph(
-        logp, custom_rewrite=in2out(_log_scaled_erfc, _log1p_minus_half_erfc), clone=True
+        logp,
+        custom_rewrite=in2out(
+            _log_scaled_erfc, _log1p_minus_half_erfc, _log_indexed_exp, _log_ordered_logistic
+        ),
+        clone=True,
     )
     logp = rewrite_graph(logp, include=("canonicalize", "stabilize"))
     return rewrite_graph(logp, include=(), custom_rewrite=in2out(_softplus_to_ufuncs), clone=True)

@@ -12,6 +12,7 @@ import pytensor.tensor as pt
 from pytensor.compile.builders import OpFromGraph
 from pytensor.compile.rewriting import inline_ofg_node
 from pytensor.graph.basic import Variable
+from pytensor.graph.fg import MissingInputError
 from pytensor.graph.replace import graph_replace
 from pytensor.graph.traversal import io_toposort
 from pytensor.scalar import basic as ps
@@ -20,7 +21,12 @@ from pytensor.tensor.elemwise import DimShuffle, Elemwise
 from pytensor.tensor.math import Dot, Sum
 
 from pymc_mcssvi.recognize.affine import LinearTerm, _Linearizer
-from pymc_mcssvi.recognize.graph import depends_on_any, is_entrywise, is_separable
+from pymc_mcssvi.recognize.graph import (
+    depends_on_any,
+    evaluate_static,
+    is_entrywise,
+    is_separable,
+)
 from pymc_mcssvi.recognize.ir import PredictorTerm
 from pymc_mcssvi.recognize.stabilize import stable_logp
 
@@ -127,24 +133,37 @@ def likelihood_term(
 
 
 def check_indices(name: str, lin: _Linearizer) -> None:
-    """Grouping indices must lie in ``[0, n_groups)``.
+    """Grouping indices must be whole numbers in ``[0, n_groups)``.
 
     PyTensor would wrap negative indices around silently (``a[-1]`` is the last
-    group) and raise an opaque error for too large ones; both are user errors.
+    group), raise an opaque error for too large ones, and truncate a float
+    index cast to integers (``g.astype("int64")`` of 1.5 is group 1); all are
+    user errors.
     """
     from pymc_mcssvi.exceptions import UnsupportedModelError
 
     names = {i: v.name for v, i in lin.wrt.items()}
     for sources, idx, length in lin.gathers:
+        for cast in _float_to_int_casts(idx):
+            try:
+                (raw,) = evaluate_static([cast])
+            except MissingInputError:
+                continue
+            raw = np.asarray(raw)
+            if np.any(raw != np.round(raw)):
+                label = cast.name or idx.name or "a grouping index"
+                bad = raw[raw != np.round(raw)]
+                raise UnsupportedModelError(
+                    name,
+                    f"{label} is cast from floats that are not whole numbers (e.g. {float(bad.flat[0])}); "
+                    f"it indexes {', '.join(repr(names[i]) for i in sorted(sources))}",
+                    "pass integer group codes (e.g. pd.factorize) instead of casting floats",
+                )
         try:
-            values = np.asarray(idx.eval(mode="FAST_COMPILE"))
-            n = (
-                int(length)
-                if isinstance(length, int)
-                else int(np.asarray(length.eval(mode="FAST_COMPILE")))
-            )
-        except Exception:
-            continue
+            values, n = evaluate_static([idx, pt.as_tensor(length)])
+        except MissingInputError:
+            continue  # an index computed from free variables: nothing to check here
+        values, n = np.asarray(values), int(n)
         if values.size == 0:
             continue
         bad = (values < 0) | (values >= n)
@@ -156,6 +175,25 @@ def check_indices(name: str, lin: _Linearizer) -> None:
                 f"it indexes {', '.join(repr(names[i]) for i in sorted(sources))}, which has {n} groups",
                 "encode groups as 0, 1, ..., n_groups - 1 (e.g. pd.factorize) and size the latent to match",
             )
+
+
+def _float_to_int_casts(idx):
+    """Float inputs of integer casts on the way to an index (``g.astype("int64")``)."""
+    from pytensor.graph.traversal import ancestors
+    from pytensor.scalar.basic import Cast
+
+    found = []
+    for v in ancestors([idx]):
+        node = v.owner
+        if (
+            node is not None
+            and isinstance(node.op, Elemwise)
+            and isinstance(node.op.scalar_op, Cast)
+            and node.inputs[0].dtype.startswith("float")
+            and v.dtype.startswith(("int", "uint"))
+        ):
+            found.append(node.inputs[0])
+    return found
 
 
 def _entrywise_in_predictor(logp, placeholder, shape, point) -> bool:

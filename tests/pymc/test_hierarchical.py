@@ -1,0 +1,156 @@
+"""Mixed-effects models: exact conditional posteriors, agreement with NUTS, bad grouping input."""
+
+import numpy as np
+import pymc as pm
+import pytest
+from scipy.special import expit
+
+import pymc_mcssvi
+from tests.conftest import nuts_draws
+
+
+# --------------------------------------------------------------- conjugate case
+def _random_intercepts(centered, rng, G=12, n=150):
+    g = np.concatenate([np.arange(G), rng.integers(0, G, n - G)])
+    x = rng.normal(size=n)
+    a_true = rng.normal(scale=0.7, size=G)
+    y = 1.0 + 0.5 * x + a_true[g] + rng.normal(scale=0.8, size=n)
+    with pm.Model(coords={"group": np.arange(G)}) as m:
+        b0 = pm.Normal("b0", 0, 5)
+        b1 = pm.Normal("b1", 0, 2.5)
+        sd_a = pm.HalfNormal("sd_a", 1)
+        sigma = pm.HalfNormal("sigma", 1)
+        if centered:
+            a = pm.Normal("a", 0, sd_a, dims="group")
+        else:
+            z = pm.Normal("z", 0, 1, dims="group")
+            a = sd_a * z
+        pm.Normal("y", b0 + b1 * x + a[g], sigma, observed=y)
+    return m, g, x, y
+
+
+@pytest.mark.parametrize("centered", [False, True], ids=["noncentered", "centered"])
+def test_point_hyperparameters_give_the_exact_conditional_posterior(centered, rng):
+    """Gaussian likelihood: given the scales, q(effects) is the exact Gaussian posterior.
+
+    After 300 iterations the scales have converged (Newton steps); the effects' q is then compared
+    with the closed-form posterior given the fitted scales (paper: rho = 1 lands on
+    the posterior of a conjugate model).
+    """
+    m, g, x, y = _random_intercepts(centered, rng)
+    with m:
+        approx = pymc_mcssvi.HMCSSVI(hyper="point", random_seed=0).fit(300, progressbar=False)
+    post = approx.sample(5, random_seed=1).posterior
+    assert set(post.attrs["point_estimates"]) == {"sd_a", "sigma"}
+    s_a = float(post["sd_a"].values.ravel()[0])
+    s_y = float(post["sigma"].values.ravel()[0])
+    assert np.ptp(post["sd_a"].values) == 0 and np.ptp(post["sigma"].values) == 0
+    G = g.max() + 1
+    Z = np.eye(G)[g]
+    if centered:
+        D = np.column_stack([np.ones_like(x), x, Z])
+        prior_var = np.r_[25.0, 6.25, np.full(G, s_a**2)]
+        names = ("b0", "b1", "a")
+    else:
+        D = np.column_stack([np.ones_like(x), x, s_a * Z])
+        prior_var = np.r_[25.0, 6.25, np.ones(G)]
+        names = ("b0", "b1", "z")
+    P = np.diag(1 / prior_var) + D.T @ D / s_y**2
+    cov = np.linalg.inv(P)
+    mean = cov @ D.T @ y / s_y**2
+    idx = np.concatenate(
+        [np.arange(approx.ordering[v][1].start, approx.ordering[v][1].stop) for v in names]
+    )
+    np.testing.assert_allclose(np.asarray(approx.mean.eval())[idx], mean, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(approx.cov.eval())[np.ix_(idx, idx)], cov, atol=1e-6)
+
+
+# --------------------------------------------------------------- against NUTS
+@pytest.fixture(scope="module")
+def glmm():
+    """Logistic regression with non-centered random intercepts and slopes (20 groups)."""
+    rng = np.random.default_rng(7)
+    G, n = 20, 600
+    g = np.concatenate([np.arange(G), rng.integers(0, G, n - G)])
+    x = rng.normal(size=n)
+    u = rng.binomial(1, 0.5, size=n).astype(float)
+    a, b = rng.normal(scale=0.8, size=G), rng.normal(scale=0.5, size=G)
+    y = rng.binomial(1, expit(-0.3 + 0.6 * x + a[g] + b[g] * u))
+    with pm.Model(coords={"group": np.arange(G)}) as m:
+        b0 = pm.Normal("b0", 0, 5)
+        beta = pm.Normal("beta", 0, 2.5)
+        sd = pm.HalfNormal("sd", 1, shape=2)
+        za = pm.Normal("za", 0, 1, dims="group")
+        zb = pm.Normal("zb", 0, 1, dims="group")
+        eta = b0 + beta * x + (sd[0] * za)[g] + (sd[1] * zb)[g] * u
+        pm.Bernoulli("y", logit_p=eta, observed=y)
+    return m
+
+
+def test_glmm_fixed_effects_and_scales_agree_with_nuts(glmm):
+    ref = nuts_draws(glmm, "glmm_nc", draws=1000, tune=1000).posterior
+    with glmm:
+        approx = pm.fit(method="hmcssvi", progressbar=False, random_seed=1)
+    assert approx.converged
+    post = approx.sample(4000, random_seed=2).posterior
+    for v in ("b0", "beta"):
+        mu, sd = float(ref[v].mean()), float(ref[v].std())
+        assert abs(float(post[v].mean()) - mu) < 0.1 * sd, v
+        assert abs(float(post[v].std()) / sd - 1) < 0.1, v
+    # Group-level scales: posterior means within 20% of NUTS.
+    got = post["sd"].mean(("chain", "draw")).values
+    want = ref["sd"].mean(("chain", "draw")).values
+    np.testing.assert_allclose(got, want, rtol=0.2)
+
+
+# --------------------------------------------------------------- bad input
+def _glmm_with_index(index, G=5, cast=False):
+    rng = np.random.default_rng(3)
+    n = len(index)
+    y = rng.poisson(1.0, size=n)
+    with pm.Model(coords={"group": np.arange(G)}) as m:
+        gd = pm.Data("g", index)
+        sd = pm.HalfNormal("sd", 1)
+        z = pm.Normal("z", 0, 1, dims="group")
+        pm.Poisson("y", pm.math.exp((sd * z)[gd.astype("int64") if cast else gd]), observed=y)
+    return m
+
+
+@pytest.mark.parametrize(
+    ("index", "cast", "fragment"),
+    [
+        (np.r_[np.arange(5), -1], False, "outside [0, 5) (found -1 .. -1)"),
+        (np.r_[np.arange(5), 5], False, "outside [0, 5) (found 5 .. 5)"),
+        (np.r_[np.arange(5), 1.5], True, "not whole numbers (e.g. 1.5)"),
+    ],
+    ids=["negative", "too-large", "non-integer"],
+)
+def test_bad_grouping_index_is_a_named_error(index, cast, fragment):
+    with pytest.raises(pymc_mcssvi.UnsupportedModelError, match=r"Variable 'y'.*") as err:
+        pymc_mcssvi.describe(_glmm_with_index(index, cast=cast))
+    assert fragment in str(err.value) and "'z'" in str(err.value)
+
+
+def test_scale_at_the_edge_of_its_support_stays_finite():
+    """Identical group means: the data put the group scale at 0.
+
+    The point estimate maximizes the bound in PyMC's unconstrained space, whose
+    log-Jacobian keeps it off 0; the fit must end with a small scale and finite
+    values everywhere, not NaNs.
+    """
+    rng = np.random.default_rng(4)
+    G, n = 8, 400
+    g = np.arange(n) % G
+    y = rng.normal(size=n)
+    y -= np.bincount(g, y)[g] / np.bincount(g)[g]  # every group mean is exactly 0
+    with pm.Model():
+        mu = pm.Normal("mu", 0, 5)
+        sd = pm.HalfNormal("sd", 1)
+        a = pm.Normal("a", 0, sd, shape=G)
+        pm.Normal("y", mu + a[g], 1.0, observed=y)
+        approx = pymc_mcssvi.HMCSSVI(hyper="point", random_seed=0).fit(progressbar=False)
+    assert approx.converged and np.all(np.isfinite(approx.hist))
+    post = approx.sample(10).posterior
+    assert np.all(np.isfinite(post["a"].values)) and np.all(np.isfinite(post["mu"].values))
+    assert 0 < float(post["sd"].values.ravel()[0]) < 0.1
+    assert np.abs(post["a"].values).max() < 0.5

@@ -7,6 +7,14 @@ averages them over Gauss nodes ``w2_j = sigma_q sqrt(2 exp(t_j))``
 :meth:`updates` takes the natural-gradient step on ``theta = -1/(2 sigma_q^2)``
 (MC-SSVI, H-MC-SSVI) or a first-order step on ``sigma_q`` (S-DSVI), with the
 gradient of the full bound obtained by automatic differentiation.
+
+The natural step of a Rayleigh scale overshoots where the expected log
+likelihood is far from linear in ``E[w2^2]`` (on the paper's GME the
+fixed-point step alternated between doubling and halving ``sigma_q``), and a
+rejected candidate shrinks the step size shared with the Gaussian globals. Each
+Rayleigh global therefore scales the shared ``rho`` by a factor of its own that
+halves when its gradient changes sign between accepted steps and grows by 1.5
+(up to 1) otherwise, as Rprop does.
 """
 
 from __future__ import annotations
@@ -73,6 +81,7 @@ class RayleighGlobals:
         self.n_nodes = int(n_nodes)
         ip = model.initial_point()
         self.base, self.cand, self.base_grad, self.base_opt, self.cand_opt = [], [], [], [], []
+        self.rho_factor = []
         for r in rayleighs:
             if init_scale and r.name in init_scale:
                 s0 = float(init_scale[r.name])
@@ -88,6 +97,7 @@ class RayleighGlobals:
             self.base.append(_shared(s0, f"base_rayleigh_{r.name}"))
             self.cand.append(_shared(s0, f"cand_rayleigh_{r.name}"))
             self.base_grad.append(_shared(0.0, f"base_rayleigh_grad_{r.name}"))
+            self.rho_factor.append(_shared(1.0, f"rayleigh_rho_factor_{r.name}"))
             opt0 = optimizer.init(np.asarray(s0)) if (optimizer and not natural) else ()
             self.base_opt.append(
                 tuple(_shared(x, f"base_rayleigh_opt_{r.name}_{i}") for i, x in enumerate(opt0))
@@ -128,7 +138,11 @@ class RayleighGlobals:
             up[self.base[i]] = sigma
             up[self.base_grad[i]] = gsel
             if self.natural:
-                up[self.cand[i]] = natural_step_rayleigh(sigma, gsafe, rho)
+                old, rr = self.base_grad[i], self.rho_factor[i]
+                flipped = pt.lt(old * gsafe, 0.0)
+                rr = pt.switch(accept, pt.switch(flipped, 0.5 * rr, pt.minimum(1.5 * rr, 1.0)), rr)
+                up[self.rho_factor[i]] = rr
+                up[self.cand[i]] = natural_step_rayleigh(sigma, gsafe, rho * rr)
             else:
                 opt = self.optimizer
                 state = tuple(

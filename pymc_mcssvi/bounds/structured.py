@@ -57,6 +57,10 @@ class StructuredBound:
     fixed_draws : bool
         Reuse the general estimator's draws every iteration.
     seed : int
+    bilinear_draws : int or "sigma"
+    row_subsample : int, optional
+        Matrix factorization: observations per row in each iteration
+        (:class:`~pymc_mcssvi.estimators.bilinear.BilinearEstimator`).
     """
 
     def __init__(
@@ -69,6 +73,7 @@ class StructuredBound:
         fixed_draws: bool = True,
         seed: int = 0,
         bilinear_draws=4,
+        row_subsample=None,
     ):
         self.tlm = tlm
         self.parameterization = parameterization
@@ -82,7 +87,13 @@ class StructuredBound:
             self.geometries.append(PredictorGeometry(term, tlm.segments, seg_of, n_rows))
         self.general = GeneralEstimator(tlm, n_draws=n_draws, fixed=fixed_draws, seed=seed)
         self.bilinear = BilinearEstimator(
-            tlm, seg_of, parameterization, n_draws=bilinear_draws, n_points=n_points, seed=seed
+            tlm,
+            seg_of,
+            parameterization,
+            n_draws=bilinear_draws,
+            n_points=n_points,
+            seed=seed,
+            row_subsample=row_subsample,
         )
 
     def work_estimate(self, local_factor: float = 1.0) -> float:

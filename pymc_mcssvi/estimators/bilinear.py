@@ -20,16 +20,26 @@ of ``u`` exactly, so that for a Gaussian likelihood the covariance step with
 accumulated with segment sums over the rows (never a dense Jacobian), and
 symmetrically for ``u_i`` with points of ``v``. The points are fixed, so the
 estimate is a deterministic function of q (backtracking stays valid).
+
+Per-row subsampling (the paper's scheme for dense rows, ``row_subsample=B``):
+in every iteration each row ``j`` of the factor being updated uses at most
+``B`` of its ``|O_j|`` observations, drawn without replacement, weighted by
+``|O_j| / |M_j|``; the sums above (and the bound) are then unbiased estimates.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import pytensor.tensor as pt
+from pytensor.graph.basic import Constant
+from pytensor.graph.fg import MissingInputError
+from pytensor.graph.replace import clone_replace
+from pytensor.graph.traversal import graph_inputs
 
 from pymc_mcssvi.estimators.quadrature import expected_derivatives
 from pymc_mcssvi.exceptions import UnsupportedModelError
 from pymc_mcssvi.families.gaussian import GaussianBlocks, _lower_inverse, bmm, bmv
+from pymc_mcssvi.recognize.graph import evaluate_static
 
 __all__ = ["BilinearEstimator"]
 
@@ -51,10 +61,20 @@ class BilinearEstimator:
     n_points : int
         Gauss-Hermite nodes for the expectation over the product.
     seed : int
+    row_subsample : int, optional
+        At most this many observations per row of the factor being updated, a
+        fresh random subset in every iteration (module docstring). ``None`` uses
+        every observation.
     """
 
-    def __init__(self, tlm, seg_of, parameterization, n_draws=4, n_points=8, seed=0):
+    def __init__(
+        self, tlm, seg_of, parameterization, n_draws=4, n_points=8, seed=0, row_subsample=None
+    ):
         self.tlm = tlm
+        self.row_subsample = None if row_subsample is None else int(row_subsample)
+        if self.row_subsample is not None and self.row_subsample < 1:
+            raise ValueError(f"row_subsample must be a positive integer, got {row_subsample!r}")
+        self._n_rngs = 0
         self.parameterization = parameterization
         self.n_points = n_points
         self.n_draws = n_draws if n_draws == "sigma" else int(n_draws) + int(n_draws) % 2
@@ -74,6 +94,69 @@ class BilinearEstimator:
                     )
                 segs.append(s)
             self.items.append((term, segs[0], segs[1]))
+        self.layouts = [self._layouts(term) for term, _, _ in self.items]
+
+    def _layouts(self, term):
+        """Observations grouped by row, per side: ``(order, counts, starts)`` for U and V rows."""
+        if self.row_subsample is None:
+            return None
+        try:
+            rows = evaluate_static([term.left_rows, term.right_rows])
+        except MissingInputError:
+            raise UnsupportedModelError(
+                term.name,
+                "row_subsample needs fixed row and column indices (they change between iterations here)",
+                "use either pm.Minibatch or row_subsample, not both",
+            ) from None
+        out = []
+        for idx, gid in zip(rows, (term.left, term.right), strict=True):
+            idx = np.asarray(idx, dtype="int64")
+            R = self.tlm.gaussians[gid].shape[0]
+            counts = np.bincount(idx, minlength=R)
+            order = np.argsort(idx, kind="stable")
+            starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+            out.append((order, counts, starts))
+        return out
+
+    def _subsample(self, layout):
+        """Observation ids ``(R * B,)`` and weights ``|O_j| / |M_j|`` (0 for padding)."""
+        order, counts, starts = layout
+        B = self.row_subsample
+        width = int(max(counts.max(), 1))
+        B = min(B, width)
+        valid_pos = np.arange(width)[None, :] < counts[:, None]
+        # One generator per draw: a generator shared by two draws would give both
+        # the same numbers (PyMC's compile seeds each and updates it per call).
+        self._n_rngs += 1
+        rng = pt.random.shared_rng(seed=self.seed + 7919 * self._n_rngs, name="row_subsample_rng")
+        keys = pt.random.uniform(size=(len(counts), width), rng=rng)
+        keys = pt.switch(pt.constant(valid_pos), keys, 2.0)  # padding sorts last
+        pos = pt.argsort(keys, axis=1)[:, :B]
+        valid = pos < pt.constant(counts[:, None])
+        flat = pt.minimum(pt.constant(starts[:, None]) + pos, len(order) - 1)
+        obs = pt.constant(order)[flat]
+        w = np.where(counts > 0, counts / np.maximum(np.minimum(counts, B), 1), 0.0)
+        weight = pt.switch(valid, pt.constant(w[:, None]), 0.0)
+        return obs.reshape((-1,)), weight.reshape((-1,))
+
+    @staticmethod
+    def _observation_subset(term, obs):
+        """``(logp, placeholder)`` of the term restricted to observations ``obs``.
+
+        The log density is elementwise in the product, so every per-observation
+        array in its graph (the data, trials, offsets: leading length ``n``) is
+        gathered with ``obs``.
+        """
+        n = int(evaluate_static([term.left_rows.shape[0]])[0])
+        ph = pt.vector(f"{term.placeholder.name}_subset", dtype=term.placeholder.dtype)
+        repl = {term.placeholder: ph}
+        for v in graph_inputs([term.logp]):
+            if v is term.placeholder or not isinstance(v, Constant) or v.ndim == 0:
+                continue
+            if v.type.shape[0] == n:
+                repl[v] = v[obs]
+        # Rebuilt node by node: the static length n gives way to the subset's.
+        return clone_replace(term.logp, replace=repl, rebuild_strict=False), ph
 
     @property
     def active(self) -> bool:
@@ -136,6 +219,34 @@ class BilinearEstimator:
             H = H + bmm(bmm(A, G), pt.matrix_transpose(A))
         return g, H
 
+    def _side(self, term, E, draw, exact, draw_rows, exact_rows, M=None, obs=None, weight=None):
+        """``(T, g_obs, H_obs)`` for the factor ``exact``, with points of the factor ``draw``.
+
+        ``draw`` and ``exact`` are ``(mean, A)`` of all rows; ``M = A_x^T A_d`` per
+        observation may be passed in (shared with the other side). ``obs`` and
+        ``weight`` restrict the observations (row subsampling).
+        """
+        (md, Ad), (mx, Ax) = draw, exact
+        logp, ph = term.logp, term.placeholder
+        if obs is not None:
+            draw_rows, exact_rows = draw_rows[obs], exact_rows[obs]
+            logp, ph = self._observation_subset(term, obs)
+        md, Ad, mx, Ax = md[draw_rows], Ad[draw_rows], mx[exact_rows], Ax[exact_rows]
+        if M is None:
+            M = bmm(pt.matrix_transpose(Ax), Ad)
+        Ec = pt.constant(E)
+        mean = pt.sum(md * mx, axis=-1)[None, :] + pt.dot(
+            Ec, bmv(pt.matrix_transpose(Ad), mx).T
+        )  # (a, n)
+        p = bmv(pt.matrix_transpose(Ax), md)
+        ME = pt.tensordot(M, Ec, axes=[[2], [1]])  # (n, K, a)
+        var = pt.sum(pt.square(p[:, :, None] + ME), axis=1).T
+        T, alpha, beta = expected_derivatives(logp, ph, mean, var, n_points=self.n_points)
+        if weight is not None:
+            T, alpha, beta = T * weight, alpha * weight, beta * weight
+        g_obs, H_obs = self._derivatives(E, md, Ad, alpha, beta, beta is not None)
+        return pt.mean(pt.sum(T, axis=-1)), g_obs, H_obs, exact_rows
+
     def expectations(self, states, covs, need_hessian=True):
         """``(T_v, T_u, grads, hessians)``.
 
@@ -148,48 +259,38 @@ class BilinearEstimator:
         ``A_u A_u^T = S_u``, ``A_v A_v^T = S_v`` and ``M = A_v^T A_u``, a point
         ``u = m_u + A_u e`` gives ``f | u ~ N(m_v^T m_u + e^T A_u^T m_v,
         ||A_v^T m_u + M e||^2)`` and symmetrically ``v = m_v + A_v e`` gives
-        ``N(m_u^T m_v + e^T A_v^T m_u, ||A_u^T m_v + M^T e||^2)``: one ``K x K``
-        product per observation serves both sides, and the largest
-        intermediates are ``n x K x K`` (memory ``O(n K^2)``, not ``O(n a K^2)``).
+        ``N(m_u^T m_v + e^T A_v^T m_u, ||A_u^T m_v + M^T e||^2)``: without
+        subsampling one ``K x K`` product per observation serves both sides, and
+        the largest intermediates are ``n x K x K`` (memory ``O(n K^2)``, not
+        ``O(n a K^2)``).
         """
         nseg = len(states)
         grads, hessians = [None] * nseg, [None] * nseg
-        total_v = pt.constant(0.0)
-        total_u = pt.constant(0.0)
-        for k, (term, su, sv) in enumerate(self.items):
-            Ru, K = states[su].mean.type.shape
-            Rv = states[sv].mean.type.shape[0]
+        totals = [pt.constant(0.0), pt.constant(0.0)]
+        for k, ((term, su, sv), layout) in enumerate(zip(self.items, self.layouts, strict=True)):
+            K = states[su].mean.type.shape[1]
             s, d = term.left_rows, term.right_rows
-            mu, mv = states[su].mean[s], states[sv].mean[d]  # (n, K)
-            Au, Av = self._square_root(states[su])[s], self._square_root(states[sv])[d]
-            M = bmm(pt.matrix_transpose(Av), Au)  # (n, K, K)
-            p = bmv(pt.matrix_transpose(Av), mu)  # A_v^T m_u
-            q = bmv(pt.matrix_transpose(Au), mv)  # A_u^T m_v
-            c = pt.sum(mu * mv, axis=-1)
+            U = (states[su].mean, self._square_root(states[su]))
+            V = (states[sv].mean, self._square_root(states[sv]))
             E_u, E_v = self._points(K, 2 * k), self._points(K, 2 * k + 1)
-            # Points of U (update of the V rows) and of V (update of the U rows).
-            mean_v = c[None, :] + pt.dot(pt.constant(E_u), q.T)  # (a, n)
-            ME = pt.tensordot(M, pt.constant(E_u), axes=[[2], [1]])  # (n, K, a)
-            var_v = pt.sum(pt.square(p[:, :, None] + ME), axis=1).T
-            mean_u = c[None, :] + pt.dot(pt.constant(E_v), p.T)
-            MtE = pt.tensordot(M, pt.constant(E_v), axes=[[1], [1]])  # (n, K, a)
-            var_u = pt.sum(pt.square(q[:, :, None] + MtE), axis=1).T
-            T_v, a_v, b_v = expected_derivatives(
-                term.logp, term.placeholder, mean_v, var_v, n_points=self.n_points
-            )
-            T_u, a_u, b_u = expected_derivatives(
-                term.logp, term.placeholder, mean_u, var_u, n_points=self.n_points
-            )
-            total_v = total_v + pt.mean(pt.sum(T_v, axis=-1))
-            total_u = total_u + pt.mean(pt.sum(T_u, axis=-1))
-            for seg, rows, E, m_draw, A_draw, al, be, R in (
-                (sv, d, E_u, mu, Au, a_v, b_v, Rv),
-                (su, s, E_v, mv, Av, a_u, b_u, Ru),
-            ):
-                g_obs, H_obs = self._derivatives(E, m_draw, A_draw, al, be, need_hessian)
-                g = pt.inc_subtensor(pt.zeros((R, K))[rows], g_obs)
+            if layout is None:
+                M = bmm(pt.matrix_transpose(V[1][d]), U[1][s])  # A_v^T A_u
+                sides = [
+                    self._side(term, E_u, U, V, s, d, M=M),
+                    self._side(term, E_v, V, U, d, s, M=pt.matrix_transpose(M)),
+                ]
+            else:
+                (obs_v, w_v), (obs_u, w_u) = self._subsample(layout[1]), self._subsample(layout[0])
+                sides = [
+                    self._side(term, E_u, U, V, s, d, obs=obs_v, weight=w_v),
+                    self._side(term, E_v, V, U, d, s, obs=obs_u, weight=w_u),
+                ]
+            for i, (seg, (T, g_obs, H_obs, rows)) in enumerate(zip((sv, su), sides, strict=True)):
+                totals[i] = totals[i] + T
+                R, Kdim = states[seg].mean.type.shape
+                g = pt.inc_subtensor(pt.zeros((R, Kdim))[rows], g_obs)
                 grads[seg] = g if grads[seg] is None else grads[seg] + g
                 if need_hessian:
-                    H = pt.inc_subtensor(pt.zeros((R, K, K))[rows], H_obs)
+                    H = pt.inc_subtensor(pt.zeros((R, Kdim, Kdim))[rows], H_obs)
                     hessians[seg] = H if hessians[seg] is None else hessians[seg] + H
-        return total_v, total_u, grads, hessians
+        return totals[0], totals[1], grads, hessians

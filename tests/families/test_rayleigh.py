@@ -46,10 +46,13 @@ def test_natural_step_with_rho_one_on_the_prior_alone_lands_on_the_prior():
     # Bound = -KL(q || p): dL/dsigma at sigma, and theta_new = theta_p exactly for rho = 1.
     sigma = pt.scalar("s", dtype="float64")
     L = -kl_rayleigh(sigma, pt.as_tensor(np.float64(1.7)))
-    new = natural_step_rayleigh(sigma, pt.grad(L, sigma), 1.0)
+    new = natural_step_rayleigh(sigma, pt.grad(L, sigma), 1.0, max_growth=np.inf)
     np.testing.assert_allclose(new.eval({sigma: 0.4}), 1.7, rtol=1e-12)
-    # Leaving theta < 0 is reported as NaN (the kernel rejects the step).
-    assert np.isnan(natural_step_rayleigh(pt.as_tensor(1.0), pt.as_tensor(100.0), 1.0).eval())
+    np.testing.assert_allclose(new.eval({sigma: 3.1}), 1.7, rtol=1e-12)  # shrinking: never capped
+    # A step that would leave theta >= 0 grows sigma by the largest allowed factor.
+    one, big = pt.as_tensor(1.0), pt.as_tensor(100.0)
+    assert np.isclose(natural_step_rayleigh(one, big, 1.0).eval(), 2.0)
+    assert np.isclose(natural_step_rayleigh(one, big, 1.0, max_growth=10.0).eval(), 10.0)
 
 
 @pytest.fixture(scope="module")

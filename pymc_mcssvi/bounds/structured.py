@@ -123,11 +123,16 @@ class StructuredBound:
             total += rows * per_row
         if self.general.active:
             total += 50.0 * self.general.n_draws * self.general.dim**2
-        for term, su, _ in self.bilinear.items:
-            rows = _numeric_size(term.left_rows.shape[0])
+        for (term, su, sv), layout in zip(self.bilinear.items, self.bilinear.layouts, strict=True):
+            n = _numeric_size(term.left_rows.shape[0])
+            if layout is None:
+                rows = 2 * n
+            else:  # observations per side after per-row subsampling
+                B = self.bilinear.row_subsample
+                rows = sum(min(n, len(counts) * B) for _, counts, _ in layout)
             K = self.tlm.segments[su].k
             draws = 2 * K if self.bilinear.n_draws == "sigma" else self.bilinear.n_draws
-            total += 2 * rows * draws * (10.0 * self.bilinear.n_points + 4.0 * K * K)
+            total += rows * draws * (10.0 * self.bilinear.n_points + 4.0 * K * K)
         for seg in self.tlm.segments:
             total += 2.0 * seg.rows * seg.k**3
         return total

@@ -123,7 +123,7 @@ class StructuredBound:
             total += rows * per_row
         if self.general.active:
             total += 50.0 * self.general.n_draws * self.general.dim**2
-        for (term, su, sv), layout in zip(self.bilinear.items, self.bilinear.layouts, strict=True):
+        for (term, su, _), layout in zip(self.bilinear.items, self.bilinear.layouts, strict=True):
             n = _numeric_size(term.left_rows.shape[0])
             if layout is None:
                 rows = 2 * n

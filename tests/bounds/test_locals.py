@@ -160,3 +160,35 @@ def test_gme_builder_and_optimal_beats_jensen():
     idata = opt.sample(200, random_seed=1)
     assert idata.posterior["f"].shape == (1, 200, 150)
     assert idata.posterior.attrs["marginal_locals"] == ["f"]
+
+
+def test_mvnormal_local_over_all_rows_is_fitted_jointly_and_exactly():
+    """A latent with one correlated entry per row (``pm.MvNormal`` over the rows) is not a
+    conditionally independent local: it joins the Gaussian globals, and with a Gaussian
+    likelihood the joint q is the exact posterior of (w, f)."""
+    rng = np.random.default_rng(3)
+    N, D, s = 30, 2, 0.5
+    X = rng.normal(size=(N, D))
+    idx = np.arange(N)
+    Sigma = 0.5 * np.exp(-(np.subtract.outer(idx, idx) ** 2) / 10.0) + 1e-3 * np.eye(N)
+    y = rng.normal(size=N)
+    with pm.Model() as m:
+        w = pm.Normal("w", 0, 1, shape=D)
+        f = pm.MvNormal("f", mu=X @ w, cov=Sigma)
+        pm.Normal("y", f, s, observed=y)
+    d = pymc_mcssvi.describe(m)
+    assert {r["name"]: r["role"] for r in d.variables} == {
+        "w": "gaussian global",
+        "f": "gaussian global",
+    }
+    with m:
+        approx = pymc_mcssvi.MCSSVI().fit(progressbar=False)
+    Si = np.linalg.inv(Sigma)
+    P = np.block([[np.eye(D) + X.T @ Si @ X, -X.T @ Si], [-Si @ X, Si + np.eye(N) / s**2]])
+    cov = np.linalg.inv(P)
+    mean = cov @ np.concatenate([np.zeros(D), y / s**2])
+    order = np.concatenate(
+        [np.arange(approx.ordering[v][1].start, approx.ordering[v][1].stop) for v in ("w", "f")]
+    )
+    np.testing.assert_allclose(np.asarray(approx.mean.eval())[order], mean, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(approx.cov.eval())[np.ix_(order, order)], cov, atol=1e-6)

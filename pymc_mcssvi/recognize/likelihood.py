@@ -14,7 +14,7 @@ from pytensor.compile.rewriting import inline_ofg_node
 from pytensor.graph.basic import Variable
 from pytensor.graph.fg import MissingInputError
 from pytensor.graph.replace import graph_replace
-from pytensor.graph.traversal import io_toposort
+from pytensor.graph.traversal import ancestors, graph_inputs, io_toposort
 from pytensor.scalar import basic as ps
 from pytensor.tensor.blockwise import Blockwise
 from pytensor.tensor.elemwise import DimShuffle, Elemwise
@@ -133,53 +133,87 @@ def likelihood_term(
 
 
 def check_indices(name: str, lin: _Linearizer) -> None:
-    """Grouping indices must be whole numbers in ``[0, n_groups)``.
+    """Grouping indices found by the linearizer must be whole numbers in ``[0, n_groups)``.
+
+    See :func:`validate_index`.
+    """
+    names = {i: v.name for v, i in lin.wrt.items()}
+    for sources, idx, length in lin.gathers:
+        validate_index(name, idx, length, [names[i] for i in sorted(sources)])
+
+
+def check_gather_indices(name: str, logp: Variable, gvalues) -> None:
+    """Every integer gather ``x[idx]`` of a Gaussian global in ``logp`` must stay in range.
+
+    Runs before any recognition of the term, so that a bad index never reaches
+    PyTensor's constant folding or the compiled step (matrix factorizations and
+    general terms have no affine gathers for :func:`check_indices`).
+    """
+    from pytensor.tensor.subtensor import AdvancedSubtensor
+
+    values = list(gvalues)
+    for node in io_toposort(graph_inputs([logp]), [logp]):
+        if not isinstance(node.op, AdvancedSubtensor):
+            continue
+        x, *index_inputs = node.inputs
+        upstream = set(ancestors([x]))
+        indexed = [v.name for v in values if v in upstream]
+        if not indexed:
+            continue
+        # idx_list: an int is the position of an index input, a slice a plain slice.
+        for axis, entry in enumerate(node.op.idx_list):
+            if isinstance(entry, int):
+                idx = index_inputs[entry]
+                if idx.dtype.startswith(("int", "uint")):
+                    validate_index(name, idx, x.shape[axis], indexed)
+
+
+def validate_index(name: str, idx, length, indexed: list[str]) -> None:
+    """Raise :class:`UnsupportedModelError` for an index outside ``[0, length)`` or cast from non-whole floats.
 
     PyTensor would wrap negative indices around silently (``a[-1]`` is the last
     group), raise an opaque error for too large ones, and truncate a float
     index cast to integers (``g.astype("int64")`` of 1.5 is group 1); all are
-    user errors.
+    user errors. Indices that depend on free variables are not checked.
     """
     from pymc_mcssvi.exceptions import UnsupportedModelError
 
-    names = {i: v.name for v, i in lin.wrt.items()}
-    for sources, idx, length in lin.gathers:
-        for cast in _float_to_int_casts(idx):
-            try:
-                (raw,) = evaluate_static([cast])
-            except MissingInputError:
-                continue
-            raw = np.asarray(raw)
-            if np.any(raw != np.round(raw)):
-                label = cast.name or idx.name or "a grouping index"
-                bad = raw[raw != np.round(raw)]
-                raise UnsupportedModelError(
-                    name,
-                    f"{label} is cast from floats that are not whole numbers (e.g. {float(bad.flat[0])}); "
-                    f"it indexes {', '.join(repr(names[i]) for i in sorted(sources))}",
-                    "pass integer group codes (e.g. pd.factorize) instead of casting floats",
-                )
+    what = ", ".join(repr(v.removesuffix("_log__")) for v in indexed)
+    for cast in _float_to_int_casts(idx):
         try:
-            values, n = evaluate_static([idx, pt.as_tensor(length)])
+            (raw,) = evaluate_static([cast])
         except MissingInputError:
-            continue  # an index computed from free variables: nothing to check here
-        values, n = np.asarray(values), int(n)
-        if values.size == 0:
             continue
-        bad = (values < 0) | (values >= n)
-        if bad.any():
-            label = idx.name or "a grouping index"
+        raw = np.asarray(raw)
+        if np.any(raw != np.round(raw)):
+            label = cast.name or idx.name or "a grouping index"
+            bad = raw[raw != np.round(raw)]
             raise UnsupportedModelError(
                 name,
-                f"{label} has values outside [0, {n}) (found {values[bad].min()} .. {values[bad].max()}); "
-                f"it indexes {', '.join(repr(names[i]) for i in sorted(sources))}, which has {n} groups",
-                "encode groups as 0, 1, ..., n_groups - 1 (e.g. pd.factorize) and size the latent to match",
+                f"{label} is cast from floats that are not whole numbers (e.g. {float(bad.flat[0])}); "
+                f"it indexes {what}",
+                "pass integer group codes (e.g. pd.factorize) instead of casting floats",
             )
+    try:
+        values, n = evaluate_static([idx, pt.as_tensor(length)])
+    except MissingInputError:
+        return  # an index computed from free variables: nothing to check here
+    values, n = np.asarray(values), int(n)
+    if values.size == 0:
+        return
+    bad = (values < 0) | (values >= n)
+    if bad.any():
+        label = idx.name or "a grouping index"
+        raise UnsupportedModelError(
+            name,
+            f"{label} has values outside [0, {n}) (found {values[bad].min()} .. {values[bad].max()}); "
+            f"it indexes {what}, which has {n} groups",
+            "encode groups as 0, 1, ..., n_groups - 1 (e.g. pd.factorize) and size the latent to match",
+        )
 
 
 def _float_to_int_casts(idx):
     """Float inputs of integer casts on the way to an index (``g.astype("int64")``)."""
-    from pytensor.graph.traversal import ancestors
     from pytensor.scalar.basic import Cast
 
     found = []

@@ -35,6 +35,7 @@ from pymc_mcssvi.recognize.ir import (
 from pymc_mcssvi.recognize.layout import build_segments, resolve_structure
 from pymc_mcssvi.recognize.likelihood import (
     bilinear_term,
+    check_gather_indices,
     find_bilinear,
     flatten_terms,
     form_name,
@@ -162,6 +163,7 @@ def recognize(
             constant_terms.append(ConstantTerm(obs.name, logp))
             forms[obs.name] = "constant (no Gaussian global)" + suffix
             continue
+        check_gather_indices(obs.name, logp, gvalues)
         term = likelihood_term(obs.name, logp, gvalues, gshapes, point)
         if term is not None:
             predictor_terms.append(term)

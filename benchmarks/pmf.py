@@ -1301,6 +1301,23 @@ def spec_key(name, method, cfg, seed):
     return h.hexdigest()[:10]
 
 
+def other_benchmarks() -> list:
+    """Python processes running another heavy benchmark script (recorded with each worker)."""
+    found = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            argv = (d / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if argv and b"python" in Path(argv[0].decode(errors="ignore")).name.encode():
+            args = [a.decode(errors="ignore") for a in argv[1:3]]
+            if any(a.endswith(("glmm.py", "glm_logistic.py", "gme.py")) for a in args):
+                found.append(f"{d.name}: {' '.join(args)}")
+    return found
+
+
 def run_worker(name, method, cfg, seed, reuse, quick):
     """Run one worker subprocess (or reuse its cached result); adds the parent's view of memory."""
     CACHE.mkdir(parents=True, exist_ok=True)
@@ -1319,7 +1336,11 @@ def run_worker(name, method, cfg, seed, reuse, quick):
             {"cfg": cfg, "seed": seed, "dataset": name, "method": method, "out": str(out)},
             spec_path,
         )
-        log(f"{name} / {method}: start")
+        others = other_benchmarks()
+        log(
+            f"{name} / {method}: start"
+            + (f" (other benchmarks running: {others})" if others else "")
+        )
         t0 = time.perf_counter()
         before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024.0
         try:
@@ -1343,6 +1364,7 @@ def run_worker(name, method, cfg, seed, reuse, quick):
             res = {"dataset": name, "method": method, "error": f"worker failed (rc={rc})"}
             res["stderr_tail"] = (stderr or "")[-3000:]
         res["process_wall_parent"] = wall
+        res["other_benchmarks"] = sorted(set(others) | set(other_benchmarks()))
         res["returncode"] = rc
         # RUSAGE_CHILDREN is the maximum over all finished children: informative only when it grew.
         res["rusage_children_max_mb"] = after
@@ -1605,6 +1627,10 @@ def notes_for(results):
     for name, ds in results["datasets"].items():
         for mname, r in ds["methods"].items():
             structured = parse_variant(mname)[0] in STRUCTURED
+            if r.get("other_benchmarks"):
+                notes.append(
+                    f"{name}, {mname}: another benchmark was running: {r['other_benchmarks']}"
+                )
             if r.get("error"):
                 notes.append(f"{name}, {mname}: {r['error']}")
             if r.get("stopped_by_time"):

@@ -75,7 +75,7 @@ W2_REL_MAX = 0.15
 NLL_ATOL = 1e-3
 
 FULL = dict(
-    n=20_000,
+    n=25_000,
     d=50,
     rho=0.5,
     tau=5.0,

@@ -29,7 +29,9 @@ likelihood, so the cost per Gaussian-global step stays that of a GLM.
 from __future__ import annotations
 
 import numpy as np
+import pymc as pm
 import pytensor.tensor as pt
+from pymc.variational.minibatch_rv import MinibatchRandomVariable, get_scaling
 from pytensor.graph.replace import vectorize_graph
 from pytensor.tensor.elemwise import DimShuffle
 from pytensor.tensor.random.basic import NormalRV
@@ -68,17 +70,17 @@ def marginal_logp(
     if bound not in ("optimal", "jensen"):
         raise ValueError(f"bound must be 'optimal' or 'jensen', got {bound!r}")
     obs = model[local.observed]
-    logp_y = remove_checks(model.logp(vars=[obs], sum=False)[0])
+    logp_y, minibatch_scale = _unscaled_logp(model, obs)
     params = model.replace_rvs_by_values(dist_params(local.rv))
     value = local.value
     shape = local.shape
     if local.kind == "discrete":
-        return _enumerate(model, local, logp_y, bound)
+        return minibatch_scale * _enumerate(model, local, logp_y, bound)
 
     loc, scale = (pt.broadcast_to(as_float(p), shape) for p in params)
     closed = _gaussian_closed_form(obs, value, logp_y, loc, scale, bound, model)
     if closed is not None:
-        return closed
+        return minibatch_scale * closed
     if inner == "quadrature":
         u, v = gauss_hermite(int(n_inner))
         u = pt.constant(u.reshape((-1,) + (1,) * len(shape)))
@@ -91,9 +93,24 @@ def marginal_logp(
     nodes = loc[None] + scale[None] * u
     per_node = vectorize_graph(logp_y, {value: nodes})
     if bound == "optimal":
-        return pt.logsumexp(logv + per_node, axis=0)
+        return minibatch_scale * pt.logsumexp(logv + per_node, axis=0)
     weights = pt.exp(logv) if inner == "quadrature" else 1.0 / n_inner
-    return pt.sum(weights * per_node, axis=0)
+    return minibatch_scale * pt.sum(weights * per_node, axis=0)
+
+
+def _unscaled_logp(model, obs):
+    """Elementwise ``log p(y_i | f_i)`` and the minibatch factor ``N / |M|`` (1 without).
+
+    PyMC multiplies the log density of a ``pm.Minibatch`` observation by
+    ``N / |M|``; the marginal over a local must integrate the density of one
+    observation, and only then be scaled (``log sum_k v_k p^c != c log sum_k v_k p``).
+    """
+    if not isinstance(obs.owner.op, MinibatchRandomVariable):
+        return remove_checks(model.logp(vars=[obs], sum=False)[0]), 1.0
+    inner, *total_size = obs.owner.inputs
+    y = model.rvs_to_values[obs]
+    logp_y = model.replace_rvs_by_values([pm.logp(inner, y)])[0]
+    return remove_checks(logp_y), get_scaling(total_size, y.shape)
 
 
 def _gaussian_closed_form(obs, value, logp_y, loc, scale, bound, model):

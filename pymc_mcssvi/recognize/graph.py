@@ -5,14 +5,16 @@ from __future__ import annotations
 import numpy as np
 import pytensor.tensor as pt
 from pymc.logprob.utils import CheckParameterValue
+from pytensor.compile.sharedvalue import SharedVariable
 from pytensor.graph.basic import Constant, Variable
 from pytensor.graph.replace import graph_replace
 from pytensor.graph.traversal import ancestors, graph_inputs, io_toposort
 from pytensor.tensor.basic import Alloc
-from pytensor.tensor.elemwise import DimShuffle, Elemwise
+from pytensor.tensor.elemwise import CAReduce, DimShuffle, Elemwise
 from pytensor.tensor.math import Sum
-from pytensor.tensor.shape import SpecifyShape
+from pytensor.tensor.shape import Shape, Shape_i, SpecifyShape
 from pytensor.tensor.sharedvar import TensorSharedVariable
+from pytensor.tensor.special import LogSumExp
 
 __all__ = [
     "depends_on_any",
@@ -91,8 +93,12 @@ def is_separable(logp: Variable, placeholder: Variable) -> bool:
     for node in nodes:
         if not any(i in dep for i in node.inputs):
             continue
-        dep.update(node.outputs)
         op = node.op
+        if isinstance(op, Shape | Shape_i):
+            continue  # a shape carries no values (minibatch scaling reads y.shape)
+        dep.update(node.outputs)
+        if _reduces_added_axis(node, placeholder):
+            continue  # log-sum-exp over the nodes of a marginalized local
         if isinstance(op, Sum):
             summed = True
             continue
@@ -102,6 +108,26 @@ def is_separable(logp: Variable, placeholder: Variable) -> bool:
             continue
         return False
     return True
+
+
+def _reduces_added_axis(node, placeholder) -> bool:
+    """A reduction over the leading axis of a matrix built from a vector placeholder.
+
+    With every operation before it elementwise or a broadcast (checked by the
+    caller), that axis was added (quadrature nodes, enumerated values), so the
+    reduction keeps entry ``i`` a function of entry ``i`` only.
+    """
+    axis = getattr(node.op, "axis", None)
+    if isinstance(axis, int):
+        axis = (axis,)
+    return (
+        placeholder.ndim == 1
+        and len(node.inputs) == 1
+        and node.inputs[0].ndim == 2
+        and axis is not None
+        and tuple(axis) == (0,)
+        and (isinstance(node.op, LogSumExp | CAReduce))
+    )
 
 
 def is_entrywise(logp: Variable, var: Variable, point: dict, base=None, n_probe: int = 3) -> bool:
@@ -118,7 +144,7 @@ def is_entrywise(logp: Variable, var: Variable, point: dict, base=None, n_probe:
     inputs = [
         v
         for v in graph_inputs([logp])
-        if v is not var and not isinstance(v, Constant | TensorSharedVariable)
+        if v is not var and not isinstance(v, Constant | SharedVariable)
     ]
     try:
         fn = pytensor.function([var, *inputs], logp, mode="FAST_COMPILE", on_unused_input="ignore")

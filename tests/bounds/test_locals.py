@@ -192,3 +192,26 @@ def test_mvnormal_local_over_all_rows_is_fitted_jointly_and_exactly():
     )
     np.testing.assert_allclose(np.asarray(approx.mean.eval())[order], mean, atol=1e-6)
     np.testing.assert_allclose(np.asarray(approx.cov.eval())[np.ix_(order, order)], cov, atol=1e-6)
+
+
+def test_minibatch_scaling_multiplies_the_marginal_not_the_integrand():
+    """``N / |M|`` scales ``log p(y_i | w)`` after the integral over the local.
+
+    All rows are identical, so any minibatch of 10 of the 40 rows, scaled by 4,
+    must give exactly the full data's marginal log likelihood.
+    """
+    N, b = 40, 10
+    X = np.tile([[0.4, -1.0]], (N, 1))
+    y = np.full(N, 3, dtype="int32")
+    Xm, ym = pm.Minibatch(X, y, batch_size=b)
+    values = {"w1": np.array([0.3, -0.2]), "w2_log__": np.log(1.7)}
+    out = []
+    for data, total in (((X, y), None), ((Xm, ym), N)):
+        model = pymc_mcssvi.models.gme(*data, total_size=total)
+        local = assign_roles(model).locals[0]
+        lp = pt.sum(marginal_logp(model, local))
+        inputs = [model.rvs_to_values[model[n]] for n in ("w1", "w2")]
+        fn = pytensor.function(inputs, lp, on_unused_input="ignore")
+        out.append(fn(values["w1"], values["w2_log__"]))
+    assert pymc_mcssvi.describe(model).predictor("y") == "dense affine, through local 'f'"
+    np.testing.assert_allclose(out[1], out[0], rtol=1e-12)

@@ -88,15 +88,15 @@ def gallery_glmm():
     b_true = rng.normal(0.0, 0.3, n_groups)
     y = rng.poisson(np.exp(0.5 + a_true[group] + (0.3 + b_true[group]) * x))
 
-    with pm.Model() as model:
+    with pm.Model(coords={"group": np.arange(n_groups)}) as model:
         b0 = pm.Normal("b0", 0.0, 5.0)
         b1 = pm.Normal("b1", 0.0, 2.5)
         sd_a = pm.HalfNormal("sd_a", 1.0)
         sd_b = pm.HalfNormal("sd_b", 1.0)
-        z_a = pm.Normal("z_a", 0.0, 1.0, shape=n_groups)  # non-centered intercepts
-        z_b = pm.Normal("z_b", 0.0, 1.0, shape=n_groups)  # non-centered slopes
-        a = pm.Deterministic("a", sd_a * z_a)
-        b = pm.Deterministic("b", sd_b * z_b)
+        z_a = pm.Normal("z_a", 0.0, 1.0, dims="group")  # non-centered intercepts
+        z_b = pm.Normal("z_b", 0.0, 1.0, dims="group")  # non-centered slopes
+        a = pm.Deterministic("a", sd_a * z_a, dims="group")
+        b = pm.Deterministic("b", sd_b * z_b, dims="group")
         pm.Poisson("y", pm.math.exp(b0 + a[group] + (b1 + b[group]) * x), observed=y)
 
     print(pymc_mcssvi.describe(model))
@@ -169,8 +169,7 @@ GALLERY = [
         gallery_glm,
         "A GLM: logistic regression with an intercept, `pm.Data` and coords/dims",
         "The intercept and the coefficients share one full covariance; the "
-        "predictor is recognized through `pm.Data` and the `pm.Deterministic`. "
-        "`size` reads `?` because `y` has `dims=`: its length is not fixed in the graph.",
+        "predictor is recognized through `pm.Data` and the `pm.Deterministic`.",
     ),
     (
         gallery_glmm,

@@ -31,10 +31,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytensor.tensor as pt
-from pytensor.graph.basic import Constant
 from pytensor.graph.fg import MissingInputError
 from pytensor.graph.replace import clone_replace
-from pytensor.graph.traversal import graph_inputs
+from pytensor.graph.traversal import io_toposort
 
 from pymc_mcssvi.estimators.quadrature import expected_derivatives
 from pymc_mcssvi.exceptions import UnsupportedModelError
@@ -143,18 +142,24 @@ class BilinearEstimator:
     def _observation_subset(term, obs):
         """``(logp, placeholder)`` of the term restricted to observations ``obs``.
 
-        The log density is elementwise in the product, so every per-observation
-        array in its graph (the data, trials, offsets: leading length ``n``) is
-        gathered with ``obs``.
+        The log density is elementwise in the product, so every array of
+        leading length ``n`` that enters the computation from the product
+        onwards (the data, trials, offsets, constant-shape masks such as
+        ``Alloc(False, n)``) is gathered with ``obs``.
         """
         n = int(evaluate_static([term.left_rows.shape[0]])[0])
         ph = pt.vector(f"{term.placeholder.name}_subset", dtype=term.placeholder.dtype)
         repl = {term.placeholder: ph}
-        for v in graph_inputs([term.logp]):
-            if v is term.placeholder or not isinstance(v, Constant) or v.ndim == 0:
+        dependent = {term.placeholder}
+        for node in io_toposort([term.placeholder], [term.logp]):
+            if not any(i in dependent for i in node.inputs):
                 continue
-            if v.type.shape[0] == n:
-                repl[v] = v[obs]
+            dependent.update(node.outputs)
+            for v in node.inputs:
+                if v in dependent or v in repl or v.ndim == 0:
+                    continue
+                if v.type.shape[0] == n:
+                    repl[v] = v[obs]
         # Rebuilt node by node: the static length n gives way to the subset's.
         return clone_replace(term.logp, replace=repl, rebuild_strict=False), ph
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import pymc as pm
 import pytensor
 
+from pymc_mcssvi.recognize.graph import evaluate_static
 from pymc_mcssvi.recognize.ir import TwoLevelModel
 from pymc_mcssvi.recognize.roles import base_op
 
@@ -224,12 +225,17 @@ def describe(model: pm.Model | None = None, cov=None, *, show: bool = False) -> 
     obs_rows = []
     for obs in model.observed_RVs:
         size = obs.type.shape
+        if None in size:  # dims= or pm.Data: the length is a graph of the data
+            try:
+                size = tuple(int(s) for s in evaluate_static([obs.shape])[0])
+            except Exception:
+                size = None
         obs_rows.append(
             dict(
                 name=obs.name,
                 distribution=_dist_name(obs),
                 predictor=tlm.observed.get(obs.name, "?"),
-                size="x".join(str(s) for s in size) if None not in size else "?",
+                size="?" if size is None else "x".join(str(s) for s in size),
                 scaling=tlm.scaling.get(obs.name, "1"),
             )
         )

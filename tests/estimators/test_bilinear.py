@@ -96,8 +96,13 @@ def test_binary_pmf_predictive_probabilities_close_to_nuts(method):
     assert diff.max() < 0.09 and diff.mean() < 0.05, (diff.max(), diff.mean())
 
 
-def test_row_subsampling_is_unbiased(rng):
-    """With at most B observations per row, weighted |O_j| / B, g, H and the bound are unbiased."""
+@pytest.mark.parametrize("likelihood", ["bernoulli", "poisson"])
+def test_row_subsampling_is_unbiased(rng, likelihood):
+    """With at most B observations per row, weighted |O_j| / B, g, H and the bound are unbiased.
+
+    The Poisson log density carries a constant-shape mask (``Alloc(False, n)``)
+    that must be subset with the data.
+    """
     from pymc.pytensorf import compile
 
     from pymc_mcssvi.bounds.structured import StructuredBound
@@ -109,7 +114,11 @@ def test_row_subsampling_is_unbiased(rng):
     with pm.Model() as m:
         U = pm.Normal("U", 0, 1, shape=(R, K))
         V = pm.Normal("V", 0, 1, shape=(C, K))
-        pm.Bernoulli("y", logit_p=(U[s] * V[d]).sum(-1), observed=y)
+        eta = (U[s] * V[d]).sum(-1)
+        if likelihood == "bernoulli":
+            pm.Bernoulli("y", logit_p=eta, observed=y)
+        else:
+            pm.Poisson("y", pm.math.log1pexp(eta), observed=y + rng.integers(0, 3, n))
     tlm = describe(m).tlm
     means = [rng.normal(size=(R, K)), rng.normal(size=(C, K))]
     factors = [

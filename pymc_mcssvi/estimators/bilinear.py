@@ -117,6 +117,19 @@ class BilinearEstimator:
             out.append((order, counts, starts))
         return out
 
+    def mean_row_weight(self) -> float:
+        """Mean of ``|O_j| / |M_j|`` over the rows with observations (the largest over
+        factors and terms), clipped to ``[1, 100]``; 1 without subsampling."""
+        if self.row_subsample is None:
+            return 1.0
+        worst = 1.0
+        for layout in self.layouts:
+            for _, counts, _ in layout:
+                c = counts[counts > 0]
+                if c.size:
+                    worst = max(worst, float(np.mean(c / np.minimum(c, self.row_subsample))))
+        return float(min(worst, 100.0))
+
     def _subsample(self, layout):
         """Observation ids ``(R * B,)`` and weights ``|O_j| / |M_j|`` (0 for padding)."""
         order, counts, starts = layout

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytensor.tensor as pt
+from pytensor.graph.basic import Constant
 from pytensor.graph.fg import MissingInputError
 from pytensor.graph.replace import clone_replace
 from pytensor.graph.traversal import io_toposort
@@ -41,6 +42,18 @@ from pymc_mcssvi.families.gaussian import GaussianBlocks, _lower_inverse, bmm, b
 from pymc_mcssvi.recognize.graph import evaluate_static
 
 __all__ = ["BilinearEstimator"]
+
+
+def _row_positions(v, n, m):
+    """``arange(m)`` shaped like ``v`` if the constant ``v`` is ``arange(n)`` along axis 0, else ``None``."""
+    if not isinstance(v, Constant) or not v.dtype.startswith(("int", "uint")):
+        return None
+    data = np.asarray(v.data)
+    rows = np.arange(n).reshape((n,) + (1,) * (data.ndim - 1))
+    if not np.array_equal(data, np.broadcast_to(rows, data.shape)):
+        return None
+    pos = pt.arange(m).reshape((m,) + (1,) * (data.ndim - 1))
+    return pt.broadcast_to(pos, (m, *data.shape[1:])).astype(v.dtype)
 
 
 class BilinearEstimator:
@@ -158,7 +171,10 @@ class BilinearEstimator:
         The log density is elementwise in the product, so every array of
         leading length ``n`` that enters the computation from the product
         onwards (the data, trials, offsets, constant-shape masks such as
-        ``Alloc(False, n)``) is gathered with ``obs``.
+        ``Alloc(False, n)``) is gathered with ``obs``; a constant that holds the
+        positions ``0, ..., n - 1`` themselves (the row index of a
+        ``take_along_axis``, folded from ``arange(n)``) becomes the subset's
+        positions instead.
         """
         n = int(evaluate_static([term.left_rows.shape[0]])[0])
         ph = pt.vector(f"{term.placeholder.name}_subset", dtype=term.placeholder.dtype)
@@ -172,7 +188,9 @@ class BilinearEstimator:
                 if v in dependent or v in repl or v.ndim == 0:
                     continue
                 if v.type.shape[0] == n:
-                    repl[v] = v[obs]
+                    repl[v] = _row_positions(v, n, obs.shape[0])
+                    if repl[v] is None:
+                        repl[v] = v[obs]
         # Rebuilt node by node: the static length n gives way to the subset's.
         return clone_replace(term.logp, replace=repl, rebuild_strict=False), ph
 

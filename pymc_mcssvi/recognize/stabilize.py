@@ -204,13 +204,78 @@ def _log_ordered_logistic(fgraph, node):
     ):
         return None
     x = mid.owner.inputs[0]
-    pad = pt.ones_like(x[..., :1]) * _BIG
-    xp = pt.concatenate([-pad, x, pad], axis=-1)
-    a, b = xp[..., 1:], xp[..., :-1]
+    found = _cutpoints_minus_predictor(x, d.owner.outputs[0], node.inputs[0])
+    if found is not None:
+        # a = c_k - f, b = c_{k-1} - f with the cutpoints gathered first: the
+        # density is then elementwise in f (no n x levels arrays to differentiate).
+        (c_hi, c_lo), f = found
+        a, b = c_hi - f, c_lo - f
+    else:
+        pad = pt.ones_like(x[..., :1]) * _BIG
+        xp = pt.concatenate([-pad, x, pad], axis=-1)
+        a, b = rebuild(xp[..., 1:]), rebuild(xp[..., :-1])
     # b - a = c_{k-1} - c_k. Clipped at -50 (log1mexp is -2e-22 there) because at the
     # padded ends it is about -1e10, where log1mexp's second derivative is 0 / 0.
     logp = -pt.softplus(-a) - pt.softplus(b) + pt.log1mexp(pt.maximum(b - a, -50.0))
-    return [rebuild(logp)]
+    if logp.type.ndim != node.outputs[0].type.ndim:
+        return None
+    return [logp]
+
+
+def _is_row_positions(v) -> bool:
+    """Whether ``v`` is ``arange(n)`` (possibly reshaped to a column, or folded to a constant)."""
+    while v.owner is not None and (
+        isinstance(v.owner.op, DimShuffle) or v.owner.op.__class__.__name__ == "Reshape"
+    ):
+        v = v.owner.inputs[0]
+    if isinstance(v, Constant):
+        data = np.asarray(v.data)
+        if data.ndim == 0 or not np.issubdtype(data.dtype, np.integer):
+            return False
+        return data.shape[0] > 0 and np.array_equal(
+            data.reshape(data.shape[0], -1), np.arange(data.shape[0])[:, None].repeat(
+                data.size // data.shape[0], axis=1
+            )
+        )
+    if v.owner is None or v.owner.op.__class__.__name__ != "ARange":
+        return False
+    start, _, step = v.owner.inputs
+    return _constant_fill(start) == 0.0 and _constant_fill(step) == 1.0
+
+
+def _cutpoints_minus_predictor(x, d, logged):
+    """For ``x = C - F`` (``n x (L - 1)``, ``F`` one column) indexed as ``[arange(n), k]``,
+    return ``((C_pad[k + 1], C_pad[k]), F[:, 0])`` with ``C`` padded by -/+ infinity.
+
+    ``logged`` is the argument of the ``log`` (``squeeze?(d[rows, k])``).
+    """
+    if x.ndim != 2 or x.owner is None or x.owner.op != sub:
+        return None
+    C, F = x.owner.inputs
+    if not F.type.broadcastable[-1]:
+        return None
+    arg = logged
+    squeeze = None
+    if arg.owner is not None and isinstance(arg.owner.op, DimShuffle) and arg.owner.op.is_squeeze:
+        squeeze, arg = arg.owner.op, arg.owner.inputs[0]
+    rows, cols = arg.owner.inputs[1:] if len(arg.owner.inputs) == 3 else (None, None)
+    if rows is None or not _is_row_positions(rows):
+        return None
+    k = cols
+    if k.ndim == 2 and k.type.broadcastable[1]:
+        k = k[:, 0]
+    if k.ndim != 1 or arg.ndim - (1 if squeeze is not None else 0) != 1:
+        return None
+    C = pt.broadcast_to(C, (C.shape[0], x.shape[1])) if C.ndim == 2 else C
+    big = pt.full((C.shape[0], 1), _BIG, dtype=x.dtype)
+    cp = pt.concatenate([-big, C, big], axis=-1)  # (1 or n, L + 1): c_{-1} .. c_{L-1}
+    if C.type.broadcastable[0]:
+        c_hi, c_lo = cp[0][k + 1], cp[0][k]
+    else:
+        pos = pt.arange(k.shape[0])
+        c_hi, c_lo = cp[pos, k + 1], cp[pos, k]
+    f = F[:, 0]
+    return (c_hi, c_lo), f
 
 
 def stable_logp(logp):

@@ -96,12 +96,14 @@ def test_binary_pmf_predictive_probabilities_close_to_nuts(method):
     assert diff.max() < 0.09 and diff.mean() < 0.05, (diff.max(), diff.mean())
 
 
-@pytest.mark.parametrize("likelihood", ["bernoulli", "poisson"])
+@pytest.mark.parametrize("likelihood", ["bernoulli", "poisson", "ordered_logistic", "ordered_probit"])
 def test_row_subsampling_is_unbiased(rng, likelihood):
     """With at most B observations per row, weighted |O_j| / B, g, H and the bound are unbiased.
 
     The Poisson log density carries a constant-shape mask (``Alloc(False, n)``)
-    that must be subset with the data.
+    that must be subset with the data; the ordered likelihoods index their
+    probability matrix with a row position constant (``arange(n)``) that must
+    become the subset's positions.
     """
     from pymc.pytensorf import compile
 
@@ -117,8 +119,12 @@ def test_row_subsampling_is_unbiased(rng, likelihood):
         eta = (U[s] * V[d]).sum(-1)
         if likelihood == "bernoulli":
             pm.Bernoulli("y", logit_p=eta, observed=y)
-        else:
+        elif likelihood == "poisson":
             pm.Poisson("y", pm.math.log1pexp(eta), observed=y + rng.integers(0, 3, n))
+        elif likelihood == "ordered_logistic":
+            pm.OrderedLogistic("y", eta, cutpoints=np.array([-1.0, 0.2, 1.1]), observed=y + 2 * y)
+        else:
+            pm.OrderedProbit("y", eta, cutpoints=np.array([-1.0, 0.2, 1.1]), observed=y + 2 * y)
     tlm = describe(m).tlm
     means = [rng.normal(size=(R, K)), rng.normal(size=(C, K))]
     factors = [

@@ -124,3 +124,18 @@ def test_other_likelihoods(name):
         LIKELIHOODS[name](b0 + X @ w, y)
     assert recognize(model).observed["y"] == "dense affine"
     _compare(model, name, ["b0", "w"], "hmcssvi", mean_tol=0.15, sd_tol=0.15)
+
+
+def test_ordered_logistic_with_learned_cutpoints():
+    """The cutpoints are hyperparameters (ordered transform); the coefficients' q against NUTS."""
+    rng = np.random.default_rng(15)
+    X = rng.normal(size=(300, 2))
+    y = np.digitize(X @ np.array([0.8, -0.5]) + rng.logistic(size=300), [-1.2, 0.1, 1.4])
+    with pm.Model() as model:
+        w = pm.Normal("w", 0, 1, shape=2)
+        cut = pm.Normal(
+            "cut", mu=[-1.0, 0.0, 1.0], sigma=3.0, transform=pm.distributions.transforms.ordered
+        )
+        pm.OrderedLogistic("y", eta=X @ w, cutpoints=cut, observed=y)
+    assert recognize(model).observed["y"] == "dense affine"
+    _compare(model, "ordered_logistic", ["w"], "hmcssvi", mean_tol=0.15, sd_tol=0.15)

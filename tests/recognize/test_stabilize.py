@@ -68,3 +68,46 @@ def test_ordered_logistic_far_out_is_exact():
     f = np.array([-60.0, 40.0, 30.0, -35.0, 37.0, 30.0, -20.0])
     # atol: the outer levels carry log1mexp(-50) = -2e-22 (stabilize.py).
     np.testing.assert_allclose(fn(f)[1], _ordered_logistic_reference(f), rtol=1e-12, atol=1e-21)
+
+
+def _depends_on(v, x):
+    from pytensor.graph.traversal import ancestors
+
+    return x in ancestors([v])
+
+
+@pytest.mark.parametrize("cut_kind", ["constant", "learned", "per_observation"])
+def test_ordered_logistic_gathers_cutpoints_before_the_predictor(cut_kind):
+    """The rewritten density is elementwise in f: nothing n x levels depends on f.
+
+    Learned cutpoints (a symbolic vector) and per-observation cutpoints (a matrix)
+    give PyMC's values and the same gradients in f and in the cutpoints.
+    """
+    from pytensor.graph.traversal import io_toposort
+
+    f = pt.vector("f")
+    c = pt.vector("c") if cut_kind == "learned" else pt.matrix("c")
+    if cut_kind == "constant":
+        cut, inputs, value = CUT, [f], {}
+    elif cut_kind == "learned":
+        cut, inputs, value = c, [f, c], {c: CUT}
+    else:
+        cut, inputs = c, [f, c]
+        value = {c: CUT + np.linspace(-0.3, 0.3, Y.size)[:, None]}
+    raw = remove_checks(pm.logp(pm.OrderedLogistic.dist(eta=f, cutpoints=cut), Y))
+    lp = stable_logp(raw)
+    compiled = pytensor.function(inputs, lp).maker.fgraph
+    for node in io_toposort(compiled.inputs, compiled.outputs):
+        for out in node.outputs:
+            if _depends_on(out, compiled.inputs[0]):
+                assert out.ndim <= 1, node
+    wrt = inputs
+    fn = pytensor.function(
+        inputs, [raw, lp, *pytensor.grad(raw.sum(), wrt), *pytensor.grad(lp.sum(), wrt)]
+    )
+    fv = np.random.default_rng(1).normal(scale=2.0, size=Y.size)
+    out = fn(fv, *value.values())
+    np.testing.assert_allclose(out[1], out[0], rtol=1e-12, atol=1e-14)
+    k = len(wrt)
+    for g_raw, g_lp in zip(out[2 : 2 + k], out[2 + k :], strict=True):
+        np.testing.assert_allclose(g_lp, g_raw, rtol=1e-8, atol=1e-10)

@@ -393,16 +393,15 @@ def start_values(ds, seed):
 
 
 def custom_likelihood(ds, B) -> bool:
-    """Whether the structured run writes the likelihood as a ``pm.CustomDist`` (benchmark workarounds).
+    """Whether the structured run writes the likelihood as a ``pm.CustomDist``.
 
-    Ordinal: always (``row_subsample`` fails on ``pm.OrderedLogistic``, and its
-    full-batch path costs 6-14x the time and 6.6x the memory). Counts: with
-    ``row_subsample`` when no training count is 0 (then ``row_subsample`` fails on
-    ``pm.Poisson``; see pmf_notes.md).
+    Always False now. Earlier runs needed it for ordinal data (``row_subsample``
+    failed on ``pm.OrderedLogistic``, whose full-batch path also cost 6-14x the
+    time and memory) and for subsampled counts without zeros (``pm.Poisson``);
+    both are fixed in the plugin (see pmf_notes.md). ``build_pymc(...,
+    custom_ordinal=True)`` stays available for comparisons.
     """
-    if ds["likelihood"] == "ordinal":
-        return True
-    return B is not None and ds["likelihood"] == "poisson_softplus" and ds["train"][2].min() > 0
+    return False
 
 
 def build_pymc(ds, custom_ordinal=False):
@@ -1431,11 +1430,13 @@ PROBES = [
         "measured": "10 s / iteration, peak RSS 5.9 GB (work estimate 1.4e10)",
     },
     {
-        "setting": "insteval_ordinal, K = 10, full batch, `pmf(likelihood='ordinal')` (pm.OrderedLogistic)",
+        "setting": "insteval_ordinal, K = 10, full batch, `pmf(likelihood='ordinal')` before the plugin gathered the "
+        "cutpoints first (commit f281fc1)",
         "measured": "16-39 s / iteration, peak RSS 9.8 GB (first iteration incl. compilation 84 s)",
     },
     {
-        "setting": "insteval_ordinal, K = 10, full batch, the same density as `pm.CustomDist` (used in the run)",
+        "setting": "insteval_ordinal, K = 10, full batch, the same density as `pm.CustomDist` (the cost the "
+        "plugin's own form has now)",
         "measured": "2.6-2.7 s / iteration, peak RSS 1.5 GB, the same -ELBO trace to all printed digits "
         "(169991.276, 121474.823, 109081.017, 105485.072)",
     },
@@ -1803,16 +1804,8 @@ def render(results, plot_rel=PLOT_REL):
     L.append(
         "Left out: full batch on the 1000 x 1000 matrices (probe below: more than 16 GB before the first iteration "
         "ended), and B = 100 there (10 s per iteration: a handful of iterations within the cap; B = 10 and 50 "
-        "instead). **Workaround for ordinal**: all structured ordinal runs (InstEval and synthetic) write the "
-        "fixed-cutpoint ordered logistic as a `pm.CustomDist` with the same closed-form density, because "
-        "`row_subsample` on the plugin's own `pmf(likelihood='ordinal')` (`pm.OrderedLogistic`) fails while building "
-        "the graph, and in full batch that form costs 6-14x the time and 6.6x the memory of the same density as a "
-        "`CustomDist` (probes below; same -ELBO trace; `benchmarks/results/pmf_notes.md`). ADVI, NumPyro and MAP use "
-        "their own ordered logistic with the same cutpoints. **Workaround for Reuters**: `row_subsample` on "
-        "`pm.Poisson` fails while building the graph when no count is 0 (Reuters keeps the nonzero entries), so the "
-        "subsampled Reuters runs write the softplus-link Poisson as a `pm.CustomDist` (the same density; identical "
-        "full-batch trace on a small problem); they were run after the main run, from the same commit's script "
-        "(see the Discussion)."
+        "instead). Every method uses the plugin's own `pmf(likelihood=...)` model (`pm.OrderedLogistic` with fixed "
+        "cutpoints for ordinal data); the `pm.CustomDist` workarounds of earlier runs are no longer needed."
     )
     L.append("")
     L.append(

@@ -233,9 +233,8 @@ def _is_row_positions(v) -> bool:
         if data.ndim == 0 or not np.issubdtype(data.dtype, np.integer):
             return False
         return data.shape[0] > 0 and np.array_equal(
-            data.reshape(data.shape[0], -1), np.arange(data.shape[0])[:, None].repeat(
-                data.size // data.shape[0], axis=1
-            )
+            data.reshape(data.shape[0], -1),
+            np.arange(data.shape[0])[:, None].repeat(data.size // data.shape[0], axis=1),
         )
     if v.owner is None or v.owner.op.__class__.__name__ != "ARange":
         return False

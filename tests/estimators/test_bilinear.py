@@ -96,7 +96,9 @@ def test_binary_pmf_predictive_probabilities_close_to_nuts(method):
     assert diff.max() < 0.09 and diff.mean() < 0.05, (diff.max(), diff.mean())
 
 
-@pytest.mark.parametrize("likelihood", ["bernoulli", "poisson", "ordered_logistic", "ordered_probit"])
+@pytest.mark.parametrize(
+    "likelihood", ["bernoulli", "poisson", "ordered_logistic", "ordered_probit"]
+)
 def test_row_subsampling_is_unbiased(rng, likelihood):
     """With at most B observations per row, weighted |O_j| / B, g, H and the bound are unbiased.
 

@@ -28,6 +28,7 @@ from pytensor.graph.replace import vectorize_graph
 from pymc_mcssvi.estimators.quadrature import gauss_hermite
 from pymc_mcssvi.recognize.graph import as_float, remove_checks
 from pymc_mcssvi.recognize.roles import dist_params
+from pymc_mcssvi.recognize.stabilize import stable_logp
 
 __all__ = ["LocalGroup", "local_posteriors"]
 
@@ -138,6 +139,29 @@ def initial_local_params(locals_):
     return out
 
 
+#: Elements (draws x nodes x observations) of one batch of :func:`local_posteriors`.
+BATCH_ELEMENTS = 2_000_000
+
+
+def _draw_average(values, outputs, samples, names, draws, per_draw):
+    """Average ``outputs`` (graphs of ``values``) over the ``draws`` rows of ``samples``.
+
+    The graphs are vectorized over a leading draws axis and evaluated in batches
+    of about :data:`BATCH_ELEMENTS` elements (``per_draw`` elements per draw), one
+    call per batch rather than one per draw.
+    """
+    batched = [pt.tensor(dtype=v.dtype, shape=(None, *v.type.shape), name=v.name) for v in values]
+    outs = vectorize_graph(outputs, dict(zip(values, batched, strict=True)))
+    sums = [pt.sum(o, axis=0) for o in outs]
+    fn = pytensor.function(batched, sums, mode="FAST_COMPILE", on_unused_input="ignore")
+    size = int(max(1, min(draws, BATCH_ELEMENTS // max(per_draw, 1))))
+    acc = [0.0] * len(outputs)
+    for lo in range(0, draws, size):
+        res = fn(*[np.asarray(samples[n][lo : lo + size]) for n in names])
+        acc = [a + r for a, r in zip(acc, res, strict=True)]
+    return [a / draws for a in acc]
+
+
 def local_posteriors(model, approx, locals_, params, draws=200, n_inner=40, random_seed=0):
     """Fill ``params`` with the marginal posteriors of the locals under ``approx``."""
     others = [rv for rv in model.free_RVs if rv not in {lc.rv for lc in locals_}]
@@ -147,7 +171,9 @@ def local_posteriors(model, approx, locals_, params, draws=200, n_inner=40, rand
     values = [model.rvs_to_values[rv] for rv in others]
     for lc in locals_:
         obs = model[lc.observed]
-        logp_y = remove_checks(model.logp(vars=[obs], sum=False)[0])
+        # Stable, ufunc-only form: PyTensor's scalar softplus runs a Python call per element.
+        logp_y = stable_logp(remove_checks(model.logp(vars=[obs], sum=False)[0]))
+        n = int(np.prod(lc.shape)) if len(lc.shape) else 1
         if lc.kind == "discrete":
             logp_z = remove_checks(model.logp(vars=[lc.rv], sum=False)[0])
             ks = pt.broadcast_to(
@@ -160,11 +186,8 @@ def local_posteriors(model, approx, locals_, params, draws=200, n_inner=40, rand
             )
             joint = vectorize_graph(logp_z + logp_y, {lc.value: ks})
             post = pt.exp(joint - pt.logsumexp(joint, axis=0, keepdims=True))
-            fn = pytensor.function(values, post, mode="FAST_COMPILE", on_unused_input="ignore")
-            acc = 0.0
-            for s in range(draws):
-                acc = acc + fn(*[samples[n][s] for n in names])
-            probs = (acc / draws).reshape(lc.support, -1).T
+            (acc,) = _draw_average(values, [post], samples, names, draws, lc.support * n)
+            probs = np.asarray(acc).reshape(lc.support, -1).T
             params[lc.name]["probs"].set_value(probs / probs.sum(axis=1, keepdims=True))
         else:
             loc, scale = (
@@ -179,11 +202,7 @@ def local_posteriors(model, approx, locals_, params, draws=200, n_inner=40, rand
             wts = pt.exp(ll - pt.logsumexp(ll, axis=0, keepdims=True))
             m1 = pt.sum(wts * nodes, axis=0)
             m2 = pt.sum(wts * pt.square(nodes), axis=0)
-            fn = pytensor.function(values, [m1, m2], mode="FAST_COMPILE", on_unused_input="ignore")
-            a1 = a2 = 0.0
-            for s in range(draws):
-                r1, r2 = fn(*[samples[n][s] for n in names])
-                a1, a2 = a1 + r1, a2 + r2
-            mean, second = a1 / draws, a2 / draws
-            params[lc.name]["mean"].set_value(np.asarray(mean))
+            mean, second = _draw_average(values, [m1, m2], samples, names, draws, n_inner * n)
+            mean, second = np.asarray(mean), np.asarray(second)
+            params[lc.name]["mean"].set_value(mean)
             params[lc.name]["sd"].set_value(np.sqrt(np.maximum(second - mean**2, 0.0)))

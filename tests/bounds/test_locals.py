@@ -215,3 +215,39 @@ def test_minibatch_scaling_multiplies_the_marginal_not_the_integrand():
         out.append(fn(values["w1"], values["w2_log__"]))
     assert pymc_mcssvi.describe(model).predictor("y") == "dense affine, through local 'f'"
     np.testing.assert_allclose(out[1], out[0], rtol=1e-12)
+
+
+def test_local_posterior_moments_average_the_exact_conditionals():
+    """Gaussian likelihood: given w, f_i | y_i is Gaussian in closed form; the
+    local's reported mean and sd are its moments averaged over the same draws of w
+    (law of total variance), whatever the batching over draws."""
+    from pymc_mcssvi.pymc import locals as L
+
+    rng = np.random.default_rng(7)
+    N, s, sig = 40, 0.7, 0.5
+    X = rng.normal(size=(N, 2))
+    y = X @ [0.8, -0.4] + rng.normal(0, np.hypot(s, sig), N)
+    with pm.Model() as m:
+        w = pm.Normal("w", 0, 1, shape=2)
+        f = pm.Normal("f", X @ w, s, shape=N)
+        pm.Normal("y", f, sig, observed=y)
+        inf = pymc_mcssvi.HMCSSVI(random_seed=0)
+        approx = inf.fit(progressbar=False)
+    draws = approx.sample_dict_fn(200, random_seed=0)["w"]
+    a = draws @ X.T  # (200, N)
+    prec = 1 / s**2 + 1 / sig**2
+    cond_mean = (a / s**2 + y / sig**2) / prec
+    want_mean = cond_mean.mean(0)
+    want_sd = np.sqrt(cond_mean.var(0) + 1 / prec)
+    p = inf._local_params["f"]
+    np.testing.assert_allclose(p["mean"].get_value(), want_mean, rtol=1e-7, atol=1e-9)
+    np.testing.assert_allclose(p["sd"].get_value(), want_sd, rtol=1e-7)
+    batch = L.BATCH_ELEMENTS
+    try:
+        L.BATCH_ELEMENTS = 3 * 40 * N  # batches of 3 draws, the last one shorter
+        with m:
+            L.local_posteriors(m, approx, inf.tlm.locals, inf._local_params)
+    finally:
+        L.BATCH_ELEMENTS = batch
+    np.testing.assert_allclose(p["mean"].get_value(), want_mean, rtol=1e-7, atol=1e-9)
+    np.testing.assert_allclose(p["sd"].get_value(), want_sd, rtol=1e-7)

@@ -171,14 +171,23 @@ def _log_indexed_exp(fgraph, node):
 
 @node_rewriter([log])
 def _log_ordered_logistic(fgraph, node):
-    """``log(diff(concat([0, sigmoid(x), 1]))[idx])`` in closed, stable form (module docstring)."""
+    """``log(diff(concat([0, sigmoid(x), 1]))[idx])`` in closed, stable form (module docstring).
+
+    Also matches the form canonicalization gives when the length is static, with
+    the index pushed into both operands: ``log(P[:, 1:][idx] - P[:, :-1][idx])``.
+    """
     found = _indexed_log(node)
-    if found is None:
-        return None
-    d, rebuild = found
-    if d.owner is None or d.owner.op != sub:
-        return None
-    hi, lo = d.owner.inputs
+    if found is not None:
+        d, rebuild = found
+        if d.owner is None or d.owner.op != sub:
+            return None
+        hi, lo = d.owner.inputs
+        logged = node.inputs[0]
+    else:
+        found = _difference_of_gathers(node.inputs[0])
+        if found is None:
+            return None
+        hi, lo, rebuild, logged = found
     if not (_last_axis_slice(hi, 1, None) and _last_axis_slice(lo, None, -1)):
         return None
     J = hi.owner.inputs[0]
@@ -204,7 +213,7 @@ def _log_ordered_logistic(fgraph, node):
     ):
         return None
     x = mid.owner.inputs[0]
-    found = _cutpoints_minus_predictor(x, d.owner.outputs[0], node.inputs[0])
+    found = _cutpoints_minus_predictor(x, logged)
     if found is not None:
         # a = c_k - f, b = c_{k-1} - f with the cutpoints gathered first: the
         # density is then elementwise in f (no n x levels arrays to differentiate).
@@ -242,7 +251,40 @@ def _is_row_positions(v) -> bool:
     return _constant_fill(start) == 0.0 and _constant_fill(step) == 1.0
 
 
-def _cutpoints_minus_predictor(x, d, logged):
+def _difference_of_gathers(v):
+    """For ``squeeze?(A[idx]) - squeeze?(B[idx])`` (the same index), ``(A, B, rebuild, first)``."""
+    if v.owner is None or v.owner.op != sub:
+        return None
+    parts = []
+    for term in v.owner.inputs:
+        squeeze, arg = None, term
+        if (
+            arg.owner is not None
+            and isinstance(arg.owner.op, DimShuffle)
+            and arg.owner.op.is_squeeze
+        ):
+            squeeze, arg = arg.owner.op, arg.owner.inputs[0]
+        if arg.owner is None or not isinstance(arg.owner.op, AdvancedSubtensor):
+            return None
+        parts.append((squeeze, arg.owner.op, arg.owner.inputs[0], arg.owner.inputs[1:], term))
+    (sq_a, op_a, A, idx_a, first), (sq_b, op_b, B, idx_b, _) = parts
+    if op_a != op_b or sq_a != sq_b or len(idx_a) != len(idx_b):
+        return None
+    if not all(
+        i is j
+        or (isinstance(i, Constant) and isinstance(j, Constant) and np.array_equal(i.data, j.data))
+        for i, j in zip(idx_a, idx_b, strict=True)
+    ):
+        return None
+
+    def rebuild(y):
+        out = op_a(y, *idx_a)
+        return sq_a(out) if sq_a is not None else out
+
+    return A, B, rebuild, first
+
+
+def _cutpoints_minus_predictor(x, logged):
     """For ``x = C - F`` (``n x (L - 1)``, ``F`` one column) indexed as ``[arange(n), k]``,
     return ``((C_pad[k + 1], C_pad[k]), F[:, 0])`` with ``C`` padded by -/+ infinity.
 

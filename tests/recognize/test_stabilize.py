@@ -76,16 +76,19 @@ def _depends_on(v, x):
     return x in ancestors([v])
 
 
+@pytest.mark.parametrize("static_length", [False, True])
 @pytest.mark.parametrize("cut_kind", ["constant", "learned", "per_observation"])
-def test_ordered_logistic_gathers_cutpoints_before_the_predictor(cut_kind):
+def test_ordered_logistic_gathers_cutpoints_before_the_predictor(cut_kind, static_length):
     """The rewritten density is elementwise in f: nothing n x levels depends on f.
 
     Learned cutpoints (a symbolic vector) and per-observation cutpoints (a matrix)
-    give PyMC's values and the same gradients in f and in the cutpoints.
+    give PyMC's values and the same gradients in f and in the cutpoints. With a
+    static length (as in a model), canonicalization pushes the index into both
+    terms of the difference; that form is rewritten too.
     """
     from pytensor.graph.traversal import io_toposort
 
-    f = pt.vector("f")
+    f = pt.tensor("f", shape=(Y.size if static_length else None,))
     c = pt.vector("c") if cut_kind == "learned" else pt.matrix("c")
     if cut_kind == "constant":
         cut, inputs, value = CUT, [f], {}

@@ -392,26 +392,14 @@ def start_values(ds, seed):
     }
 
 
-def custom_likelihood(ds, B) -> bool:
-    """Whether the structured run writes the likelihood as a ``pm.CustomDist``.
-
-    Always False now. Earlier runs needed it for ordinal data (``row_subsample``
-    failed on ``pm.OrderedLogistic``, whose full-batch path also cost 6-14x the
-    time and memory) and for subsampled counts without zeros (``pm.Poisson``);
-    both are fixed in the plugin (see pmf_notes.md). ``build_pymc(...,
-    custom_ordinal=True)`` stays available for comparisons.
-    """
-    return False
-
-
 def build_pymc(ds, custom_ordinal=False):
     """The PyMC model (``pymc_mcssvi.models.pmf``).
 
     ``custom_ordinal=True`` writes the fixed-cutpoint ordered logistic as a
     ``pm.CustomDist`` with the closed form ``log sigmoid(c_y - f) + log sigmoid(f - c_{y-1})
     + log(1 - exp(c_{y-1} - c_y))`` (the same density and the same plugin trace in
-    full batch). Benchmark workaround: ``row_subsample`` fails on ``pm.OrderedLogistic``
-    (ValueError in the subset graph, see pmf_notes.md).
+    full batch); the NumPy reference check compares both forms. Earlier runs used it
+    as a workaround, see pmf_notes.md; every method now runs on ``pmf(...)``.
     """
     from pymc_mcssvi.models import pmf
 
@@ -437,25 +425,6 @@ def build_pymc(ds, custom_ordinal=False):
             U = pm.Normal("U", 0.0, 1.0, dims=("row", "factor"))
             V = pm.Normal("V", 0.0, 1.0, dims=("col", "factor"))
             pm.CustomDist("y", (U[r] * V[c]).sum(-1), logp=logp, observed=y)
-        return model
-    if custom_ordinal and ds["likelihood"] == "poisson_softplus":
-        import pymc as pm
-        import pytensor.tensor as pt
-
-        def logp_count(value, f):
-            rate = pt.softplus(f)
-            return value * pt.log(rate) - rate - pt.gammaln(value + 1.0)
-
-        K = ds["K"]
-        coords = {
-            "row": np.arange(ds["n_rows"]),
-            "col": np.arange(ds["n_cols"]),
-            "factor": np.arange(K),
-        }
-        with pm.Model(coords=coords) as model:
-            U = pm.Normal("U", 0.0, 1.0, dims=("row", "factor"))
-            V = pm.Normal("V", 0.0, 1.0, dims=("col", "factor"))
-            pm.CustomDist("y", (U[r] * V[c]).sum(-1), logp=logp_count, observed=y)
         return model
     return pmf(
         r,
@@ -779,12 +748,11 @@ def worker_structured(ds, method, cfg, seed, evaluator, elbo, res):
 
     algo, B = parse_variant(method)
     cls = getattr(pymc_mcssvi, STRUCTURED[algo])
-    custom = custom_likelihood(ds, B)
-    model = build_pymc(ds, custom_ordinal=custom)
+    model = build_pymc(ds)
     start = start_values(ds, seed)
     max_iter = cfg["max_iter"]
     cap = cap_for(cfg["max_seconds"], ds["name"])
-    res.update(max_iter=max_iter, max_seconds=cap, row_subsample=B, custom_ordinal=custom)
+    res.update(max_iter=max_iter, max_seconds=cap, row_subsample=B, custom_ordinal=False)
     rss0 = rss_mb()
     rec = None
     t0 = time.perf_counter()

@@ -39,19 +39,16 @@ from pytensor.graph.traversal import io_toposort
 from pymc_mcssvi.estimators.quadrature import expected_derivatives
 from pymc_mcssvi.exceptions import UnsupportedModelError
 from pymc_mcssvi.families.gaussian import GaussianBlocks, _lower_inverse, bmm, bmv
-from pymc_mcssvi.recognize.graph import evaluate_static
+from pymc_mcssvi.recognize.graph import evaluate_static, holds_row_positions
 
 __all__ = ["BilinearEstimator"]
 
 
 def _row_positions(v, n, m):
     """``arange(m)`` shaped like ``v`` if the constant ``v`` is ``arange(n)`` along axis 0, else ``None``."""
-    if not isinstance(v, Constant) or not v.dtype.startswith(("int", "uint")):
+    if not isinstance(v, Constant) or v.type.shape[0] != n or not holds_row_positions(v.data):
         return None
     data = np.asarray(v.data)
-    rows = np.arange(n).reshape((n,) + (1,) * (data.ndim - 1))
-    if not np.array_equal(data, np.broadcast_to(rows, data.shape)):
-        return None
     pos = pt.arange(m).reshape((m,) + (1,) * (data.ndim - 1))
     return pt.broadcast_to(pos, (m, *data.shape[1:])).astype(v.dtype)
 

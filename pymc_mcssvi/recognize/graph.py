@@ -19,11 +19,25 @@ from pytensor.tensor.special import LogSumExp
 __all__ = [
     "depends_on_any",
     "evaluate_static",
+    "holds_row_positions",
     "is_separable",
     "observed_data",
     "remove_checks",
     "static_shape",
 ]
+
+
+def holds_row_positions(data) -> bool:
+    """Whether an integer array holds its own row positions: ``data[i, ...] == i`` everywhere.
+
+    That is ``arange(n)`` along axis 0, possibly as a column or broadcast along the
+    other axes: the row index of a ``take_along_axis`` once folded to a constant.
+    """
+    data = np.asarray(data)
+    if data.ndim == 0 or data.shape[0] == 0 or not np.issubdtype(data.dtype, np.integer):
+        return False
+    rows = np.arange(data.shape[0]).reshape((-1,) + (1,) * (data.ndim - 1))
+    return bool(np.all(data == rows))
 
 
 def remove_checks(var: Variable) -> Variable:

@@ -31,6 +31,8 @@ from pytensor.tensor.exceptions import NotScalarConstantError
 from pytensor.tensor.math import erfc, exp, log, log1p, mul, neg, sub
 from pytensor.tensor.subtensor import AdvancedSubtensor, Subtensor, get_idx_list
 
+from pymc_mcssvi.recognize.graph import holds_row_positions
+
 __all__ = ["stable_logp"]
 
 
@@ -110,21 +112,30 @@ def _softplus_to_ufuncs(fgraph, node):
 _BIG = 1e10
 
 
-def _indexed_log(node):
-    """For ``log(squeeze?(x[idx]))`` return ``(x, rebuild)`` with ``rebuild(y) = squeeze?(y[idx])``."""
-    (arg,) = node.inputs
+def _squeezed_gather(v):
+    """For ``squeeze?(x[idx])`` (an advanced index) return ``(x, idx, rebuild, kind)``, else ``None``.
+
+    ``rebuild(y) = squeeze?(y[idx])`` applies the same index (and squeeze) to ``y``;
+    ``kind`` is the ``(index op, squeeze op)`` pair, equal for gathers of the same form.
+    """
     squeeze = None
-    if arg.owner is not None and isinstance(arg.owner.op, DimShuffle) and arg.owner.op.is_squeeze:
-        squeeze, arg = arg.owner.op, arg.owner.inputs[0]
-    if arg.owner is None or not isinstance(arg.owner.op, AdvancedSubtensor):
+    if v.owner is not None and isinstance(v.owner.op, DimShuffle) and v.owner.op.is_squeeze:
+        squeeze, v = v.owner.op, v.owner.inputs[0]
+    if v.owner is None or not isinstance(v.owner.op, AdvancedSubtensor):
         return None
-    op, (x, *idx) = arg.owner.op, arg.owner.inputs
+    op, (x, *idx) = v.owner.op, v.owner.inputs
 
     def rebuild(y):
         out = op(y, *idx)
         return squeeze(out) if squeeze is not None else out
 
-    return x, rebuild
+    return x, idx, rebuild, (op, squeeze)
+
+
+def _indexed_log(node):
+    """For ``log(squeeze?(x[idx]))`` return ``(x, rebuild)`` with ``rebuild(y) = squeeze?(y[idx])``."""
+    found = _squeezed_gather(node.inputs[0])
+    return None if found is None else (found[0], found[2])
 
 
 def _last_axis_slice(v, start, stop) -> bool:
@@ -238,13 +249,7 @@ def _is_row_positions(v) -> bool:
     ):
         v = v.owner.inputs[0]
     if isinstance(v, Constant):
-        data = np.asarray(v.data)
-        if data.ndim == 0 or not np.issubdtype(data.dtype, np.integer):
-            return False
-        return data.shape[0] > 0 and np.array_equal(
-            data.reshape(data.shape[0], -1),
-            np.arange(data.shape[0])[:, None].repeat(data.size // data.shape[0], axis=1),
-        )
+        return holds_row_positions(v.data)
     if v.owner is None or v.owner.op.__class__.__name__ != "ARange":
         return False
     start, _, step = v.owner.inputs
@@ -255,20 +260,12 @@ def _difference_of_gathers(v):
     """For ``squeeze?(A[idx]) - squeeze?(B[idx])`` (the same index), ``(A, B, rebuild, first)``."""
     if v.owner is None or v.owner.op != sub:
         return None
-    parts = []
-    for term in v.owner.inputs:
-        squeeze, arg = None, term
-        if (
-            arg.owner is not None
-            and isinstance(arg.owner.op, DimShuffle)
-            and arg.owner.op.is_squeeze
-        ):
-            squeeze, arg = arg.owner.op, arg.owner.inputs[0]
-        if arg.owner is None or not isinstance(arg.owner.op, AdvancedSubtensor):
-            return None
-        parts.append((squeeze, arg.owner.op, arg.owner.inputs[0], arg.owner.inputs[1:], term))
-    (sq_a, op_a, A, idx_a, first), (sq_b, op_b, B, idx_b, _) = parts
-    if op_a != op_b or sq_a != sq_b or len(idx_a) != len(idx_b):
+    first, second = v.owner.inputs
+    ga, gb = _squeezed_gather(first), _squeezed_gather(second)
+    if ga is None or gb is None:
+        return None
+    (A, idx_a, rebuild, kind_a), (B, idx_b, _, kind_b) = ga, gb
+    if kind_a != kind_b or len(idx_a) != len(idx_b):
         return None
     if not all(
         i is j
@@ -276,11 +273,6 @@ def _difference_of_gathers(v):
         for i, j in zip(idx_a, idx_b, strict=True)
     ):
         return None
-
-    def rebuild(y):
-        out = op_a(y, *idx_a)
-        return sq_a(out) if sq_a is not None else out
-
     return A, B, rebuild, first
 
 
@@ -295,17 +287,15 @@ def _cutpoints_minus_predictor(x, logged):
     C, F = x.owner.inputs
     if not F.type.broadcastable[-1]:
         return None
-    arg = logged
-    squeeze = None
-    if arg.owner is not None and isinstance(arg.owner.op, DimShuffle) and arg.owner.op.is_squeeze:
-        squeeze, arg = arg.owner.op, arg.owner.inputs[0]
-    rows, cols = arg.owner.inputs[1:] if len(arg.owner.inputs) == 3 else (None, None)
-    if rows is None or not _is_row_positions(rows):
+    found = _squeezed_gather(logged)
+    if found is None or len(found[1]) != 2:
         return None
-    k = cols
+    rows, k = found[1]
+    if not _is_row_positions(rows):
+        return None
     if k.ndim == 2 and k.type.broadcastable[1]:
         k = k[:, 0]
-    if k.ndim != 1 or arg.ndim - (1 if squeeze is not None else 0) != 1:
+    if k.ndim != 1 or logged.ndim != 1:
         return None
     C = pt.broadcast_to(C, (C.shape[0], x.shape[1])) if C.ndim == 2 else C
     big = pt.full((C.shape[0], 1), _BIG, dtype=x.dtype)

@@ -27,6 +27,15 @@ class Algorithm:
     mean_optimizer: Optimizer | None = field(default=None)
     factor_optimizer: Optimizer | None = field(default=None)
 
+    @property
+    def newton_mean(self) -> bool:
+        """Whether the mean step is ``m + rho P_new^{-1} g`` with ``P_new`` the new precision.
+
+        Such steps can be coupled with the hyperparameters' step into one joint
+        Newton step (:meth:`~pymc_mcssvi.algorithms.hyperparameters.MeanFieldHyperparameters.updates`).
+        """
+        return False
+
     def init_opt_state(self, means, factors):
         """Numeric optimizer state per segment: ``(mean_state, factor_state)``."""
         out = []

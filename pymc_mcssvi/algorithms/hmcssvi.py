@@ -37,6 +37,10 @@ class HMCSSVIStep(Algorithm):
     name = "hmcssvi"
     parameterization = "precision"
 
+    @property
+    def newton_mean(self) -> bool:
+        return self.mean_optimizer is None
+
     def step(self, states, grads, hessians, rho, scale, t, opt_states):
         new_states, new_opt = [], []
         opt = self.mean_optimizer

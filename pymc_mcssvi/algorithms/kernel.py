@@ -26,7 +26,11 @@ import pytensor.tensor as pt
 
 from pymc_mcssvi.families.gaussian import GaussianBlocks
 
-__all__ = ["StepKernel"]
+__all__ = ["MAX_COUPLED_HYPERS", "StepKernel"]
+
+#: Largest number of mean-field hyperparameter coordinates whose step is coupled with
+#: q(w)'s mean step (one extra blockwise solve per coordinate).
+MAX_COUPLED_HYPERS = 16
 
 
 def _shared(value, name):
@@ -85,6 +89,21 @@ class StepKernel:
         self.cand_opt = [self._shared_tree(o, f"cand_opt_{s}") for s, o in enumerate(opt0)]
         self.hypers = hypers if (hypers is not None and getattr(hypers.spec, "size", 0)) else None
         self.nseg = nseg
+        n_phases_total = n_phases
+        self.coupled = (
+            self.hypers is not None
+            and self.hypers.mode == "meanfield"
+            and self.monotone
+            and n_phases_total == 1
+            and algorithm.parameterization == "precision"
+            and algorithm.newton_mean
+            and self.hypers.spec.size <= MAX_COUPLED_HYPERS
+        )
+        n_h = self.hypers.spec.size if self.coupled else 0
+        self.base_cross = [
+            _shared(np.zeros(np.shape(m) + (n_h,)), f"base_cross_{s}")
+            for s, m in enumerate(init_means)
+        ]
 
     @staticmethod
     def _shared_tree(tree, name):
@@ -127,7 +146,11 @@ class StepKernel:
             outs = self.rayleighs.evaluate(outs, n_values=nv)
         finite = pt.isfinite(outs[0])
         if self.hypers is not None:
-            outs, hfinite, haux = self.hypers.evaluate(outs, n_values=nv)
+            cross = range(nv, nv + self.nseg) if self.coupled else ()
+            if self.coupled:
+                outs, hfinite, haux = self.hypers.evaluate(outs, n_values=nv, cross=cross)
+            else:
+                outs, hfinite, haux = self.hypers.evaluate(outs, n_values=nv)
             finite = pt.isfinite(outs[0]) & hfinite
         value, phase_values = outs[0], pt.stack(outs[1:nv])
         grads, hessians = outs[nv : nv + self.nseg], outs[nv + self.nseg :]
@@ -163,6 +186,24 @@ class StepKernel:
         g_safe = [pt.switch(pt.isfinite(x), x, 0.0) for x in g]
         H_safe = [pt.switch(pt.isfinite(x), x, 0.0) for x in H]
         stepped, stepped_opt = alg.step(new_base, g_safe, H_safe, rho, scale, t, opt)
+        hyper_updates, cross_updates = {}, {}
+        if self.hypers is not None:
+            coupling = None
+            if self.coupled:
+                crosses = [
+                    None if c is None else pt.switch(pt.isfinite(sel(c, b)), sel(c, b), 0.0)
+                    for c, b in zip(haux[2], self.base_cross, strict=True)
+                ]
+                cross_updates = {
+                    b: c for b, c in zip(self.base_cross, crosses, strict=True) if c is not None
+                }
+                coupling = ([st.factor for st in stepped], g_safe, crosses)
+            hyper_updates, shifts = self.hypers.updates(accept, rho, scale, t, haux, coupling)
+            if shifts is not None:
+                stepped = [
+                    st if d is None else GaussianBlocks(st.mean + d, st.factor)
+                    for st, d in zip(stepped, shifts, strict=True)
+                ]
         next_phase = (
             pt.switch(accept, (self.phase + 1) % nph, self.phase) if nph > 1 else self.phase
         )
@@ -198,8 +239,8 @@ class StepKernel:
         updates[self.phase] = pt.cast(next_phase, "int64")
         updates[self.scale] = scale
         updates[self.t] = t
-        if self.hypers is not None:
-            updates.update(self.hypers.updates(accept, rho, scale, t, haux))
+        updates.update(hyper_updates)
+        updates.update(cross_updates)
         if self.rayleighs is not None:
             updates.update(self.rayleighs.updates(accept, rho, scale, t, rgrads))
         outputs = [new_bound, value, pt.cast(accept, "int8"), rho]

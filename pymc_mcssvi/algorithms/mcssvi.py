@@ -32,6 +32,10 @@ class MCSSVIStep(Algorithm):
     name = "mcssvi"
     parameterization = "precision"
 
+    @property
+    def newton_mean(self) -> bool:
+        return True
+
     def step(self, states, grads, hessians, rho, scale, t, opt_states):
         new = [natural_step(s, g, H, rho) for s, g, H in zip(states, grads, hessians, strict=True)]
         return new, opt_states

@@ -48,6 +48,8 @@ from pymc_mcssvi.families.batched import (
 
 __all__ = [
     "GaussianBlocks",
+    "cho_solve_blocks",
+    "cho_solve_columns",
     "cholesky",
     "covariance",
     "entropy",
@@ -300,3 +302,21 @@ def cho_solve_blocks(L, b):
         )
     y = pt.linalg.solve_triangular(L, b[..., None], lower=True)
     return pt.linalg.solve_triangular(L, y, lower=True, trans=1)[..., 0]
+
+
+def cho_solve_columns(L, B):
+    """Solve ``(L L^T) X = B`` blockwise for ``B`` of shape ``(R, K, n)`` with a static ``n``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> L = np.array([[[2.0, 0.0], [1.0, 1.0]]])
+    >>> B = np.arange(4.0).reshape(1, 2, 2)
+    >>> X = cho_solve_columns(pt.as_tensor(L), pt.as_tensor(B)).eval()
+    >>> np.allclose(L[0] @ L[0].T @ X[0], B[0])
+    True
+    """
+    n = B.type.shape[-1]
+    if n is None:
+        raise ValueError("cho_solve_columns needs a static number of columns")
+    return pt.stack([cho_solve_blocks(L, B[..., j]) for j in range(n)], axis=-1)

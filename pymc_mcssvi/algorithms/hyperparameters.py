@@ -218,9 +218,13 @@ def joint_newton_step(g_h, P_h, rho, factors, grads, crosses, max_step=1.0):
         S = S - pt.tensordot(B, U_s, axes)
         rhs = rhs + pt.tensordot(U_s, g, [axes[0], list(range(g.ndim))])
     S = 0.5 * (S + S.T)
-    lam, V = pt.linalg.eigh(S)
+    # A failed factorization of q(w) or q(h) (NaN) must not reach LAPACK's eigh, which
+    # raises; the step is then NaN and the caller falls back to the separate steps.
+    finite = pt.all(pt.isfinite(S)) & pt.all(pt.isfinite(rhs))
+    lam, V = pt.linalg.eigh(pt.switch(finite, S, pt.eye(S.shape[0])))
     scale = pt.maximum(pt.abs(lam), SCHUR_FLOOR * pt.max(pt.diagonal(P_h)))
     dh = _capped(rho * (V @ ((V.T @ rhs) / scale)), max_step)
+    dh = pt.switch(finite, dh, np.nan)
     shifts = [None if U_s is None else pt.tensordot(U_s, dh, [[-1], [0]]) for U_s in U]
     return dh, shifts
 
@@ -384,7 +388,7 @@ class MeanFieldHyperparameters:
             delta, shifts = joint_newton_step(
                 _safe(g[0]), L_h @ L_h.T, rho, *coupling, max_step=self.spec.max_step
             )
-            # A failed q(h) factorization (NaN) leaves the uncoupled step, rejected next.
+            # A failed factorization (NaN) leaves the separate steps.
             ok = pt.all(pt.isfinite(delta))
             next_mean = pt.switch(ok, mean + delta[None], nxt.mean)
             shifts = [None if x is None else pt.switch(ok, x, 0.0) for x in shifts]

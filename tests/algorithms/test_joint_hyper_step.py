@@ -135,3 +135,17 @@ def test_coupled_and_separate_steps_reach_the_same_fit(rng, monkeypatch):
     np.testing.assert_allclose(m1, m0, atol=2e-3)
     np.testing.assert_allclose(s1, s0, rtol=2e-3)
     assert abs(h1 - h0) < 5e-3
+
+
+def test_joint_step_with_a_failed_factorization_is_nan_not_an_error():
+    """A NaN factor (failed Cholesky) gives a NaN step, which the caller replaces."""
+    L = np.full((2, 1, 1), np.nan)
+    dh, _ = joint_newton_step(
+        pt.as_tensor(np.ones(2)),
+        pt.as_tensor(np.eye(2)),
+        1.0,
+        [pt.as_tensor(L)],
+        [pt.as_tensor(np.ones((2, 1)))],
+        [pt.as_tensor(np.ones((2, 1, 2)))],
+    )
+    assert np.all(np.isnan(dh.eval()))

@@ -38,7 +38,9 @@ from pytensor.graph.replace import graph_replace, vectorize_graph
 from pymc_mcssvi.algorithms.optimizers import Optimizer
 from pymc_mcssvi.families.gaussian import (
     GaussianBlocks,
+    bmm,
     cho_solve_columns,
+    covariance,
     entropy,
     natural_step,
 )
@@ -159,26 +161,40 @@ def _capped(delta, cap):
 SCHUR_FLOOR = 1e-3
 
 
-def joint_newton_step(g_h, P_h, rho, factors, grads, crosses, max_step=1.0):
-    r"""One damped Newton step on the means of q(w) and q(h) together.
+def joint_newton_step(
+    g_h,
+    P_h,
+    rho,
+    factors,
+    grads,
+    crosses,
+    hessian_crosses=None,
+    old_factors=None,
+    max_step=1.0,
+):
+    r"""One damped Newton step of q(h)'s mean with q(w) following it.
 
-    The separate steps ``dw = rho P_w^{-1} g_w`` and ``dh = rho P_h^{-1} g_h``
-    ignore the coupling ``B = E[d g_w / d h]`` and so converge like block
-    coordinate ascent: slowly when q(w)'s optimum moves with ``h`` (a
-    non-centered random effect ``sigma * z``: hundreds of iterations on
-    grouseticks). The joint step solves
+    The separate steps ``dw = rho P_w^{-1} g_w`` (with q(w)'s natural precision
+    step) and ``dh = rho P_h^{-1} g_h`` ignore how q(w)'s optimum moves with
+    ``h`` and converge like block coordinate ascent, or EM: slowly when the
+    data say little about a scale (a non-centered random effect ``sigma * z``:
+    hundreds of iterations on grouseticks). Here ``h`` takes a Newton step on
+    the bound with q(w) eliminated (a Schur complement), and q(w) moves with it:
 
-    .. math::
+    * mean coupling ``B = E[d g_w / d h]`` (``(R, K, n_h)`` per segment):
+      curvature ``- B^T P_w^{-1} B``, gradient ``+ B^T P_w^{-1} g_w``, and
+      q(w)'s mean shifts by ``P_w^{-1} B dh``;
+    * covariance coupling ``D = E[d H_w / d h]`` (``(R, K, K, n_h)``; q(w)'s
+      natural precision target ``-H_w`` moves by ``-D dh``): the entropy's
+      curvature in the covariance ``C`` gives the curvature
+      ``- 1/2 tr(C D_i C D_j)``, the covariance step ``dC`` of this iteration
+      moves the gradient by ``1/2 tr(D_i dC)``, and q(w)'s precision shifts by
+      ``-D dh``.
 
-        \begin{pmatrix} P_w & -B \\ -B^T & P_h \end{pmatrix}
-        \begin{pmatrix} \Delta w \\ \Delta h \end{pmatrix}
-        = \rho \begin{pmatrix} g_w \\ g_h \end{pmatrix}
-
-    through the Schur complement ``S = P_h - B^T P_w^{-1} B`` (``n_h x n_h``):
-    ``dh = rho S^{-1} (g_h + B^T P_w^{-1} g_w)`` and ``dw = rho P_w^{-1} g_w +
-    P_w^{-1} B dh``. ``P_w`` is block diagonal over q(w)'s blocks, so only
-    ``n_h`` extra blockwise solves are needed. Both steps have the same fixed
-    points as the separate ones (``g_w = 0``, ``g_h = 0``).
+    so ``dh = S^{-1} (rho (g_h + B^T P_w^{-1} g_w) + 1/2 tr(D dC))`` with ``S``
+    the curvature above (``n_h x n_h``). ``P_w`` is block diagonal over q(w)'s
+    blocks, so the cost is ``n_h`` blockwise solves and products. The fixed
+    points are those of the separate steps (``g_w = 0``, ``g_h = 0``, ``dC = 0``).
 
     Parameters
     ----------
@@ -188,45 +204,64 @@ def joint_newton_step(g_h, P_h, rho, factors, grads, crosses, max_step=1.0):
         New precision of q(h), ``(n_h, n_h)``.
     rho : scalar
     factors, grads, crosses : lists over q(w)'s segments
-        Lower Cholesky factors ``(R, K, K)`` of the new precisions, gradients
-        ``(R, K)``, cross derivatives ``(R, K, n_h)`` or ``None``.
+        Lower Cholesky factors ``(R, K, K)`` of the new precisions (after this
+        iteration's natural step), gradients ``(R, K)``, cross derivatives
+        ``B`` or ``None``.
+    hessian_crosses, old_factors : lists over q(w)'s segments, optional
+        Cross derivatives ``D`` (or ``None``) and the factors before the step.
     max_step : float
         Largest change of any coordinate of ``h``.
 
     Returns
     -------
     delta_h : TensorVariable
+        NaN when a factorization failed (the caller keeps the separate steps).
     shifts : list
-        ``P_w^{-1} B dh`` per segment (``None`` where ``B`` is ``None``).
+        Change of each segment's mean (``None`` where ``B`` is ``None``).
+    precision_shifts : list
+        Change of each segment's precision (``None`` where ``D`` is ``None``).
 
     Notes
     -----
     Eigenvalues of ``S`` are taken in absolute value and floored at
-    :data:`SCHUR_FLOOR` times the largest diagonal entry of ``P_h``, so the step is an
-    ascent direction of the mean-field bound even where the joint curvature is
-    not negative definite; the step is capped at ``max_step`` and, like every
-    candidate, judged by the bound.
+    :data:`SCHUR_FLOOR` times the largest diagonal entry of ``P_h``; the step is
+    capped at ``max_step`` and, like every candidate, judged by the bound.
     """
-    S, rhs, U = P_h, g_h, []
+    nseg = len(factors)
+    hessian_crosses = hessian_crosses or [None] * nseg
+    S, rhs, move, U = P_h, g_h, 0.0, []
     for L, g, B in zip(factors, grads, crosses, strict=True):
         if B is None:
             U.append(None)
             continue
         U_s = cho_solve_columns(L, B)
         U.append(U_s)
-        axes = [list(range(B.ndim - 1)), list(range(B.ndim - 1))]
-        S = S - pt.tensordot(B, U_s, axes)
-        rhs = rhs + pt.tensordot(U_s, g, [axes[0], list(range(g.ndim))])
+        axes = list(range(B.ndim - 1))
+        S = S - pt.tensordot(B, U_s, [axes, axes])
+        rhs = rhs + pt.tensordot(U_s, g, [axes, list(range(g.ndim))])
+    for L, L_old, D in zip(factors, old_factors or [None] * nseg, hessian_crosses, strict=True):
+        if D is None:
+            continue
+        C = covariance(GaussianBlocks(None, L), "precision")
+        dC = C - covariance(GaussianBlocks(None, L_old), "precision")
+        n = D.type.shape[-1]
+        M = [bmm(C, D[..., i]) for i in range(n)]  # C D_i, (R, K, K) each
+        X = pt.stack([m.ravel() for m in M])
+        Y = pt.stack([pt.matrix_transpose(m).ravel() for m in M])
+        S = S - 0.5 * (X @ Y.T)
+        move = move + 0.5 * pt.stack([pt.sum(D[..., i] * dC) for i in range(n)])
+    rhs = rho * rhs + move
     S = 0.5 * (S + S.T)
     # A failed factorization of q(w) or q(h) (NaN) must not reach LAPACK's eigh, which
     # raises; the step is then NaN and the caller falls back to the separate steps.
     finite = pt.all(pt.isfinite(S)) & pt.all(pt.isfinite(rhs))
     lam, V = pt.linalg.eigh(pt.switch(finite, S, pt.eye(S.shape[0])))
     scale = pt.maximum(pt.abs(lam), SCHUR_FLOOR * pt.max(pt.diagonal(P_h)))
-    dh = _capped(rho * (V @ ((V.T @ rhs) / scale)), max_step)
+    dh = _capped(V @ ((V.T @ rhs) / scale), max_step)
     dh = pt.switch(finite, dh, np.nan)
     shifts = [None if U_s is None else pt.tensordot(U_s, dh, [[-1], [0]]) for U_s in U]
-    return dh, shifts
+    pshifts = [None if D is None else -pt.tensordot(D, dh, [[-1], [0]]) for D in hessian_crosses]
+    return dh, shifts, pshifts
 
 
 class PointHyperparameters:
@@ -385,13 +420,15 @@ class MeanFieldHyperparameters:
         next_mean, shifts = nxt.mean, None
         if coupling is not None:
             L_h = nxt.factor[0]
-            delta, shifts = joint_newton_step(
+            delta, shifts, pshifts = joint_newton_step(
                 _safe(g[0]), L_h @ L_h.T, rho, *coupling, max_step=self.spec.max_step
             )
             # A failed factorization (NaN) leaves the separate steps.
             ok = pt.all(pt.isfinite(delta))
             next_mean = pt.switch(ok, mean + delta[None], nxt.mean)
             shifts = [None if x is None else pt.switch(ok, x, 0.0) for x in shifts]
+            pshifts = [None if x is None else pt.switch(ok, x, 0.0) for x in pshifts]
+            shifts = (shifts, pshifts)
         up = {
             self.base_mean: mean,
             self.base_factor: factor,

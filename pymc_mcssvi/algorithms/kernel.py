@@ -103,6 +103,9 @@ class StepKernel:
         self.base_cross = [
             _shared(np.zeros(np.shape(m) + (n_h,)), f"base_cross_{s}")
             for s, m in enumerate(init_means)
+        ] + [
+            _shared(np.zeros(np.shape(f) + (n_h,)), f"base_hess_cross_{s}")
+            for s, f in enumerate(init_factors)
         ]
 
     @staticmethod
@@ -146,7 +149,7 @@ class StepKernel:
             outs = self.rayleighs.evaluate(outs, n_values=nv)
         finite = pt.isfinite(outs[0])
         if self.hypers is not None:
-            cross = range(nv, nv + self.nseg) if self.coupled else ()
+            cross = range(nv, nv + 2 * self.nseg) if self.coupled else ()
             if self.coupled:
                 outs, hfinite, haux = self.hypers.evaluate(outs, n_values=nv, cross=cross)
             else:
@@ -197,9 +200,20 @@ class StepKernel:
                 cross_updates = {
                     b: c for b, c in zip(self.base_cross, crosses, strict=True) if c is not None
                 }
-                coupling = ([st.factor for st in stepped], g_safe, crosses)
+                coupling = (
+                    [st.factor for st in stepped],
+                    g_safe,
+                    crosses[: self.nseg],
+                    crosses[self.nseg :],
+                    [st.factor for st in new_base],
+                )
             hyper_updates, shifts = self.hypers.updates(accept, rho, scale, t, haux, coupling)
             if shifts is not None:
+                shifts, pshifts = shifts
+                stepped = [
+                    st if dP is None else GaussianBlocks(st.mean, _shifted_factor(st.factor, dP))
+                    for st, dP in zip(stepped, pshifts, strict=True)
+                ]
                 stepped = [
                     st if d is None else GaussianBlocks(st.mean + d, st.factor)
                     for st, d in zip(stepped, shifts, strict=True)
@@ -255,6 +269,14 @@ class StepKernel:
             self.hypers.reset()
         if self.rayleighs is not None:
             self.rayleighs.reset()
+
+
+def _shifted_factor(L, dP):
+    from pymc_mcssvi.families.gaussian import cholesky
+
+    dP = 0.5 * (dP + pt.matrix_transpose(dP))
+    L2 = cholesky(L @ pt.matrix_transpose(L) + dP)
+    return pt.switch(pt.all(pt.isfinite(L2)), L2, L)
 
 
 def _select_tree(cond, a, b):

@@ -28,6 +28,7 @@ averaged outputs), ``updates`` (accept/reject and step) and ``reset``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import pytensor
@@ -48,6 +49,7 @@ from pymc_mcssvi.recognize.graph import depends_on_any
 
 __all__ = [
     "HyperSpec",
+    "JointStep",
     "joint_newton_step",
     "MeanFieldHyperparameters",
     "PointHyperparameters",
@@ -161,6 +163,32 @@ def _capped(delta, cap):
 SCHUR_FLOOR = 1e-3
 
 
+class JointStep(NamedTuple):
+    """Result of :func:`joint_newton_step`.
+
+    Attributes
+    ----------
+    delta_h : TensorVariable
+        Step of q(h)'s mean; NaN when a factorization failed.
+    shifts : list
+        Change of each segment's mean (``None`` where ``B`` is ``None``).
+    precision_shifts : list
+        Change of each segment's precision (``None`` where ``D`` is ``None``).
+    curvature : TensorVariable
+        The curvature ``S`` in ``h`` with q(w) eliminated, eigenvalues floored
+        (positive definite): the precision of the linear-response q(h).
+    responses : list
+        ``P_w^{-1} B`` per segment, ``(R, K, n_h)`` (``None`` where ``B`` is
+        ``None``): how q(w)'s mean follows ``h``.
+    """
+
+    delta_h: object
+    shifts: list
+    precision_shifts: list
+    curvature: object
+    responses: list
+
+
 def joint_newton_step(
     g_h,
     P_h,
@@ -214,12 +242,9 @@ def joint_newton_step(
 
     Returns
     -------
-    delta_h : TensorVariable
-        NaN when a factorization failed (the caller keeps the separate steps).
-    shifts : list
-        Change of each segment's mean (``None`` where ``B`` is ``None``).
-    precision_shifts : list
-        Change of each segment's precision (``None`` where ``D`` is ``None``).
+    JointStep
+        ``delta_h`` is NaN when a factorization failed (the caller keeps the
+        separate steps).
 
     Notes
     -----
@@ -261,7 +286,8 @@ def joint_newton_step(
     dh = pt.switch(finite, dh, np.nan)
     shifts = [None if U_s is None else pt.tensordot(U_s, dh, [[-1], [0]]) for U_s in U]
     pshifts = [None if D is None else -pt.tensordot(D, dh, [[-1], [0]]) for D in hessian_crosses]
-    return dh, shifts, pshifts
+    curvature = (V * scale[None, :]) @ V.T
+    return JointStep(dh, shifts, pshifts, curvature, U)
 
 
 class PointHyperparameters:
@@ -406,9 +432,9 @@ class MeanFieldHyperparameters:
         Returns
         -------
         updates : dict
-        shifts : list or None
-            With ``coupling``: the change to add to each segment's mean step
-            (``None`` for uncoupled segments).
+        joint : JointStep or None
+            With ``coupling``: the changes to add to each segment's mean and
+            precision step.
         """
         g_h, H_h = aux[:2]
         sel = lambda a, b: pt.switch(accept, a, b)  # noqa: E731
@@ -417,18 +443,24 @@ class MeanFieldHyperparameters:
         g = sel(g_h[None], self.base_grad)
         H = sel(H_h[None], self.base_hess)
         nxt = natural_step(GaussianBlocks(mean, factor), _safe(g), _safe(H), rho)
-        next_mean, shifts = nxt.mean, None
+        next_mean, joint = nxt.mean, None
         if coupling is not None:
             L_h = nxt.factor[0]
-            delta, shifts, pshifts = joint_newton_step(
+            joint = joint_newton_step(
                 _safe(g[0]), L_h @ L_h.T, rho, *coupling, max_step=self.spec.max_step
             )
             # A failed factorization (NaN) leaves the separate steps.
-            ok = pt.all(pt.isfinite(delta))
-            next_mean = pt.switch(ok, mean + delta[None], nxt.mean)
-            shifts = [None if x is None else pt.switch(ok, x, 0.0) for x in shifts]
-            pshifts = [None if x is None else pt.switch(ok, x, 0.0) for x in pshifts]
-            shifts = (shifts, pshifts)
+            ok = pt.all(pt.isfinite(joint.delta_h))
+            next_mean = pt.switch(ok, mean + joint.delta_h[None], nxt.mean)
+
+            def zero_if_failed(xs):
+                return [None if x is None else pt.switch(ok, x, 0.0) for x in xs]
+
+            joint = joint._replace(
+                shifts=zero_if_failed(joint.shifts),
+                precision_shifts=zero_if_failed(joint.precision_shifts),
+            )
+            up_lr = self._linear_response_updates(ok, joint)
         up = {
             self.base_mean: mean,
             self.base_factor: factor,
@@ -437,7 +469,35 @@ class MeanFieldHyperparameters:
             self.cand_mean: next_mean,
             self.cand_factor: nxt.factor,
         }
-        return up, shifts
+        if joint is not None:
+            up.update(up_lr)
+        return up, joint
+
+    def linear_response_state(self, response_shapes):
+        """Shared variables of the linear-response view (created once, by the kernel).
+
+        ``lr_factor`` is the lower Cholesky factor of the curvature in ``h``
+        with q(w) eliminated (the precision of the linear-response q(h));
+        ``lr_responses`` hold ``P_w^{-1} B`` per segment (``None`` entries for
+        segments that do not depend on ``h``).
+        """
+        n = self.spec.size
+        self.lr_factor = _shared(np.eye(n)[None] / self.spec.init_sd, "lr_hyper_factor")
+        self.lr_responses = [
+            None if shp is None else _shared(np.zeros(shp), f"lr_response_{s}")
+            for s, shp in enumerate(response_shapes)
+        ]
+
+    def _linear_response_updates(self, ok, joint):
+        if getattr(self, "lr_factor", None) is None:
+            return {}
+        L = pt.linalg.cholesky(joint.curvature, lower=True, on_error="nan")
+        good = ok & pt.all(pt.isfinite(L))
+        up = {self.lr_factor: pt.switch(good, L[None], self.lr_factor)}
+        for sh, U in zip(self.lr_responses, joint.responses, strict=True):
+            if sh is not None and U is not None:
+                up[sh] = pt.switch(good, U, sh)
+        return up
 
     def reset(self):
         self.cand_mean.set_value(self.base_mean.get_value())

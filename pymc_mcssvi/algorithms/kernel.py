@@ -107,6 +107,8 @@ class StepKernel:
             _shared(np.zeros(np.shape(f) + (n_h,)), f"base_hess_cross_{s}")
             for s, f in enumerate(init_factors)
         ]
+        if self.coupled:
+            self.hypers.linear_response_state([np.shape(m) + (n_h,) for m in init_means])
 
     @staticmethod
     def _shared_tree(tree, name):
@@ -207,16 +209,15 @@ class StepKernel:
                     crosses[self.nseg :],
                     [st.factor for st in new_base],
                 )
-            hyper_updates, shifts = self.hypers.updates(accept, rho, scale, t, haux, coupling)
-            if shifts is not None:
-                shifts, pshifts = shifts
+            hyper_updates, joint = self.hypers.updates(accept, rho, scale, t, haux, coupling)
+            if joint is not None:
                 stepped = [
                     st if dP is None else GaussianBlocks(st.mean, _shifted_factor(st.factor, dP))
-                    for st, dP in zip(stepped, pshifts, strict=True)
+                    for st, dP in zip(stepped, joint.precision_shifts, strict=True)
                 ]
                 stepped = [
                     st if d is None else GaussianBlocks(st.mean + d, st.factor)
-                    for st, d in zip(stepped, shifts, strict=True)
+                    for st, d in zip(stepped, joint.shifts, strict=True)
                 ]
         next_phase = (
             pt.switch(accept, (self.phase + 1) % nph, self.phase) if nph > 1 else self.phase

@@ -30,6 +30,10 @@ class StructuredGaussianGroup(Group):
 
     Built by the inference classes; ``segments``, ``flat_maps``, the shared means
     and factors and the ``parameterization`` are passed as keyword arguments.
+    An optional ``response=(hyper_group, responses)`` makes the draws follow
+    the hyperparameter group's draws ``h``: ``w = m + A eps + U (h - mu_h)`` with
+    ``U`` (``responses``, ``(R, K, n_h)`` per segment, ``None`` for none) the
+    linear response of q(w)'s mean; ``std`` and ``cov`` include ``U cov(h) U^T``.
     """
 
     __param_spec__ = {"segment_means": ("d",), "segment_factors": ("d",)}
@@ -44,11 +48,30 @@ class StructuredGaussianGroup(Group):
         self.parameterization = kw["parameterization"]
         self.shared_means = kw["means"]
         self.shared_factors = kw["factors"]
+        self.response = kw.get("response")
         self.shared_params = {
             **{m.name: m for m in self.shared_means},
             **{f.name: f for f in self.shared_factors},
         }
         self._finalize_init()
+
+    def _responses(self):
+        """``(hyper_group, [(U_s, flat_map_s), ...])`` or ``None``."""
+        if self.response is None:
+            return None
+        hyper, responses = self.response
+        pairs = [
+            (U, idx) for U, idx in zip(responses, self.flat_maps, strict=True) if U is not None
+        ]
+        return (hyper, pairs) if pairs else None
+
+    def _response_matrix(self, hyper, pairs):
+        """``U`` as a dense ``(ddim, n_h)`` matrix in this group's flat order."""
+        n_h = hyper.ddim
+        out = pt.zeros((self.ddim, n_h))
+        for U, idx in pairs:
+            out = pt.set_subtensor(out[idx.reshape(-1)], U.reshape((-1, n_h)))
+        return out
 
     def _states(self):
         return [
@@ -63,6 +86,11 @@ class StructuredGaussianGroup(Group):
         for st, idx, seg in zip(self._states(), self.flat_maps, self.segments, strict=True):
             e = eps[:, idx.reshape(-1)].reshape((eps.shape[0], seg.rows, seg.k))
             out = _scatter(out, idx, sample(st, self.parameterization, e))
+        resp = self._responses()
+        if resp is not None:
+            hyper, pairs = resp
+            h = hyper.symbolic_random - hyper.mean[None, :]
+            out = out + h @ self._response_matrix(hyper, pairs).T
         return out
 
     @node_property
@@ -78,6 +106,10 @@ class StructuredGaussianGroup(Group):
         for st, idx in zip(self._states(), self.flat_maps, strict=True):
             S = covariance(st, self.parameterization)
             out = pt.set_subtensor(out[idx[:, :, None], idx[:, None, :]], S)
+        resp = self._responses()
+        if resp is not None:
+            U = self._response_matrix(*resp)
+            out = out + U @ resp[0].cov @ U.T
         return out
 
     @node_property
@@ -85,8 +117,19 @@ class StructuredGaussianGroup(Group):
         out = pt.zeros((self.ddim,))
         for st, idx in zip(self._states(), self.flat_maps, strict=True):
             S = covariance(st, self.parameterization)
-            out = _scatter(out, idx, pt.sqrt(pt.diagonal(S, axis1=-2, axis2=-1)))
-        return out
+            out = _scatter(out, idx, pt.diagonal(S, axis1=-2, axis2=-1))
+        resp = self._responses()
+        if resp is not None:
+            U = self._response_matrix(*resp)
+            out = out + pt.sum((U @ resp[0].cov) * U, axis=-1)
+        return pt.sqrt(out)
+
+    def cross_cov(self, other):
+        """Covariance of this group's flat vector with ``other``'s (zero unless responding to it)."""
+        resp = self._responses()
+        if resp is None or resp[0] is not other:
+            return pt.zeros((self.ddim, other.ddim))
+        return self._response_matrix(*resp) @ other.cov
 
     @node_property
     def symbolic_logq_not_scaled(self):
@@ -207,7 +250,20 @@ class StructuredApproximation(Approximation):
 
     @node_property
     def cov(self):
-        return pt.linalg.block_diag(*[g.cov for g in self.groups])
+        rows = []
+        for i, gi in enumerate(self.groups):
+            row = []
+            for j, gj in enumerate(self.groups):
+                if i == j:
+                    row.append(gi.cov)
+                elif hasattr(gi, "cross_cov") and getattr(gi, "response", None) is not None:
+                    row.append(gi.cross_cov(gj))
+                elif hasattr(gj, "cross_cov") and getattr(gj, "response", None) is not None:
+                    row.append(gj.cross_cov(gi).T)
+                else:
+                    row.append(pt.zeros((gi.ddim, gj.ddim)))
+            rows.append(pt.concatenate(row, axis=1))
+        return pt.concatenate(rows, axis=0)
 
     def _to_data(self, flat) -> Dataset:
         """Map a flat vector to a Dataset keyed by value variable.

@@ -168,3 +168,45 @@ def test_coupling_removes_the_slow_scale_mode(monkeypatch):
         n_iter[coupled], elbo[coupled] = len(approx.hist), -approx.hist[-1]
     assert n_iter[True] <= n_iter[False] / 2, n_iter
     assert elbo[True] >= elbo[False] - 1e-3
+
+
+# ------------------------------------------------------------- linear response
+def test_linear_response_draws_match_the_reported_covariance(rng):
+    """Draws of (w, h) have the mean and covariance that ``approx.cov`` reports,
+    including the cross-covariance of the Gaussian globals with the hyperparameters."""
+    m = _noncentered(rng)
+    with m:
+        approx = pymc_mcssvi.HMCSSVI(random_seed=3).fit(progressbar=False)
+    cov = np.asarray(approx.cov.eval())
+    mean = np.asarray(approx.mean.eval())
+    fn = approx.sample_dict_fn
+    draws = fn(20000, random_seed=4)
+    flat = np.concatenate(
+        [np.asarray(draws[name]).reshape(20000, -1) for name, *_ in approx.ordering.values()],
+        axis=1,
+    )
+    np.testing.assert_allclose(flat.mean(0), mean, atol=4 * np.sqrt(np.diag(cov) / 20000).max())
+    emp = np.cov(flat.T)
+    sd = np.sqrt(np.diag(cov))
+    np.testing.assert_allclose(np.sqrt(np.diag(emp)), sd, rtol=0.03)
+    corr_emp = emp / np.outer(np.sqrt(np.diag(emp)), np.sqrt(np.diag(emp)))
+    corr = cov / np.outer(sd, sd)
+    np.testing.assert_allclose(corr_emp, corr, atol=0.03)
+    # the hyperparameter is correlated with the effects it scales
+    h_idx = approx.ordering["sd_log__"][1]
+    z_idx = approx.ordering["z"][1]
+    assert np.abs(corr[z_idx, h_idx]).max() > 0.1
+
+
+def test_linear_response_widens_q_h_and_can_be_switched_off(rng):
+    m = _noncentered(rng)
+    sds = {}
+    for lr in (True, False):
+        with m:
+            approx = pymc_mcssvi.HMCSSVI(random_seed=3, linear_response=lr).fit(progressbar=False)
+        h_idx = approx.ordering["sd_log__"][1]
+        sds[lr] = float(np.asarray(approx.std.eval())[h_idx][0])
+        cov = np.asarray(approx.cov.eval())
+        off = cov[: h_idx.start, h_idx]
+        assert bool(np.abs(off).max() > 0) is lr
+    assert sds[True] > 1.2 * sds[False], sds

@@ -27,7 +27,7 @@ def test_joint_step_solves_the_coupled_quadratic(K, rng):
     g_w = rng.normal(size=(R, K))
     g_h = rng.normal(size=n_h)
     L = np.stack([np.linalg.cholesky(b) for b in blocks])
-    dh, shifts, _ = joint_newton_step(
+    step = joint_newton_step(
         pt.as_tensor(g_h),
         pt.as_tensor(P_h),
         1.0,
@@ -36,7 +36,7 @@ def test_joint_step_solves_the_coupled_quadratic(K, rng):
         [pt.as_tensor(B)],
         max_step=1e6,
     )
-    dh, shift = (x.eval() for x in (dh, shifts[0]))
+    dh, shift = (x.eval() for x in (step.delta_h, step.shifts[0]))
     # Dense joint curvature [[P_w, -B], [-B^T, P_h]] of the bound's negative.
     D = R * K
     P_w = np.zeros((D, D))
@@ -55,7 +55,7 @@ def test_joint_step_is_capped_and_ascends_where_the_curvature_is_indefinite(rng)
     B = np.ones((1, 1, 2)) * 3.0  # S = I - 9 * ones: indefinite
     L = np.ones((1, 1, 1))
     g_h = np.array([1.0, -0.5])
-    dh, _, _ = joint_newton_step(
+    dh = joint_newton_step(
         pt.as_tensor(g_h),
         pt.as_tensor(P_h),
         1.0,
@@ -64,7 +64,7 @@ def test_joint_step_is_capped_and_ascends_where_the_curvature_is_indefinite(rng)
         [pt.as_tensor(B)],
         max_step=0.5,
     )
-    dh = dh.eval()
+    dh = dh.delta_h.eval()
     assert np.all(np.isfinite(dh))
     assert np.max(np.abs(dh)) <= 0.5 + 1e-12
 
@@ -141,7 +141,7 @@ def test_coupled_and_separate_steps_reach_the_same_fit(rng, monkeypatch):
 def test_joint_step_with_a_failed_factorization_is_nan_not_an_error():
     """A NaN factor (failed Cholesky) gives a NaN step, which the caller replaces."""
     L = np.full((2, 1, 1), np.nan)
-    dh, _, _ = joint_newton_step(
+    dh = joint_newton_step(
         pt.as_tensor(np.ones(2)),
         pt.as_tensor(np.eye(2)),
         1.0,
@@ -149,7 +149,7 @@ def test_joint_step_with_a_failed_factorization_is_nan_not_an_error():
         [pt.as_tensor(np.ones((2, 1)))],
         [pt.as_tensor(np.ones((2, 1, 2)))],
     )
-    assert np.all(np.isnan(dh.eval()))
+    assert np.all(np.isnan(dh.delta_h.eval()))
 
 
 def test_coupling_removes_the_slow_scale_mode(monkeypatch):

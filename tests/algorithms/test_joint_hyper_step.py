@@ -123,7 +123,7 @@ def test_coupled_and_separate_steps_reach_the_same_fit(rng, monkeypatch):
         if not coupled:
             monkeypatch.setattr(kernel_module, "MAX_COUPLED_HYPERS", 0)
         with m:
-            inf = pymc_mcssvi.HMCSSVI(random_seed=3)
+            inf = pymc_mcssvi.HMCSSVI(random_seed=3, linear_response=False)
             assert inf.kernel.coupled is coupled
             approx = inf.fit(progressbar=False, tol=1e-10, max_iter=3000)
         assert approx.converged

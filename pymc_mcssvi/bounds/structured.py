@@ -137,6 +137,12 @@ class StructuredBound:
             total += 2.0 * seg.rows * seg.k**3
         return total
 
+    def predictor_variances(self, states: list[GaussianBlocks]):
+        """Variance under q of each affine predictor entry (one vector per likelihood term)."""
+        covs = [covariance(st, self.parameterization) for st in states]
+        means = [st.mean for st in states]
+        return [g.moments(means, covs, g.prepare())[1] for g in self.geometries]
+
     def evaluate(
         self, states: list[GaussianBlocks], need_derivatives: bool = True, need_hessian: bool = True
     ):

@@ -371,8 +371,11 @@ class StructuredVI(Inference):
             init = hyper_spec.replacements(pt.constant(hyper_spec.init))
             var = graph_replace(var, init, strict=False)
         try:
-            with pytensor.config.change_flags(mode=HELPER_MODE):
-                values = evaluate_static(var)
+            try:  # no rewriting: a one-off evaluation of a small graph
+                values = pytensor.function([], var, mode=Mode(linker="py", optimizer=None))()
+            except pytensor.graph.fg.MissingInputError:
+                with pytensor.config.change_flags(mode=HELPER_MODE):
+                    values = evaluate_static(var)
         except Exception as e:  # a predictor that needs more than the start values
             logger.debug(f"start q not data-scaled: {type(e).__name__}: {e}")
             return factors

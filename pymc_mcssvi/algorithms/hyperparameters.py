@@ -363,6 +363,8 @@ class MeanFieldHyperparameters:
         self.base_grad = _shared(np.zeros((1, n)), "base_hyper_grad")
         self.base_hess = _shared(-np.eye(n)[None] / spec.init_sd**2, "base_hyper_hess")
         self.z, self.w = sigma_points(n)
+        # Linear-response view (set by linear_response_state when the step is coupled).
+        self.lr_factor, self.lr_responses = None, []
 
     def _draws(self, state: GaussianBlocks):
         # h_j = mu + L^{-T} z_j
@@ -373,10 +375,10 @@ class MeanFieldHyperparameters:
         """Sigma-point averages of the outputs and of the derivatives in ``h``.
 
         The entropy of q(h) is added to the first ``n_values`` outputs (bound values).
-        For the outputs at the positions ``cross`` (gradients ``g_s`` of q(w)'s
-        segments, shape ``(R, K)``), the auxiliary result also holds the cross
-        derivatives ``E[d g_s / d h]`` of shape ``(R, K, n_h)`` (``None`` where
-        ``g_s`` does not depend on ``h``), by Stein's lemma on the same points.
+        For the outputs at the positions ``cross`` (q(w)'s gradients ``g_s`` and
+        Hessians ``H_s``), the auxiliary result also holds the cross derivatives
+        ``E[d x / d h]``, of shape ``x.shape + (n_h,)`` (``None`` where ``x``
+        does not depend on ``h``), by Stein's lemma on the same points.
         """
         h = pt.vector("h_draw", shape=(self.spec.size,))
         outs = graph_replace(outputs, self.spec.replacements(h), strict=False)
@@ -398,9 +400,9 @@ class MeanFieldHyperparameters:
         grads = batched[-1]
         L = st.factor[0]
         C = (grads * w[:, None]).T @ (draws - st.mean)
-        H_h = C @ (L @ L.T)
-        H_h = 0.5 * (H_h + H_h.T)
         P_h = L @ L.T
+        H_h = C @ P_h
+        H_h = 0.5 * (H_h + H_h.T)
         crosses = []
         for i in cross:
             if not depends_on_any(outs[i], [h]):
@@ -421,12 +423,13 @@ class MeanFieldHyperparameters:
         Parameters
         ----------
         coupling : tuple, optional
-            ``(factors, grads, crosses)`` of q(w)'s segments: the lower Cholesky
-            factors of their new precisions, their (finite) gradients and the
-            cross derivatives ``E[d g_s / d h]`` of the new base (``None`` for
-            segments that do not depend on ``h``). With it, the means of q(w)
-            and q(h) take one joint Newton step (:func:`joint_newton_step`)
-            instead of two separate ones; the precision of q(h) keeps its
+            ``(factors, grads, crosses, hessian_crosses, old_factors)`` of q(w)'s
+            segments, the arguments of :func:`joint_newton_step`: the lower
+            Cholesky factors of their new precisions, their (finite) gradients,
+            the cross derivatives ``E[d g_s / d h]`` and ``E[d H_s / d h]`` of
+            the new base (``None`` for segments that do not depend on ``h``) and
+            the factors before the step. With it, q(h)'s mean takes the joint
+            Newton step and q(w) follows it; the precision of q(h) keeps its
             mean-field natural step.
 
         Returns
@@ -478,24 +481,23 @@ class MeanFieldHyperparameters:
 
         ``lr_factor`` is the lower Cholesky factor of the curvature in ``h``
         with q(w) eliminated (the precision of the linear-response q(h));
-        ``lr_responses`` hold ``P_w^{-1} B`` per segment (``None`` entries for
-        segments that do not depend on ``h``).
+        ``lr_responses`` hold ``P_w^{-1} B`` per segment (zero for segments
+        that do not depend on ``h``).
         """
         n = self.spec.size
         self.lr_factor = _shared(np.eye(n)[None] / self.spec.init_sd, "lr_hyper_factor")
         self.lr_responses = [
-            None if shp is None else _shared(np.zeros(shp), f"lr_response_{s}")
-            for s, shp in enumerate(response_shapes)
+            _shared(np.zeros(shp), f"lr_response_{s}") for s, shp in enumerate(response_shapes)
         ]
 
     def _linear_response_updates(self, ok, joint):
-        if getattr(self, "lr_factor", None) is None:
+        if self.lr_factor is None:
             return {}
         L = pt.linalg.cholesky(joint.curvature, lower=True, on_error="nan")
         good = ok & pt.all(pt.isfinite(L))
         up = {self.lr_factor: pt.switch(good, L[None], self.lr_factor)}
         for sh, U in zip(self.lr_responses, joint.responses, strict=True):
-            if sh is not None and U is not None:
+            if U is not None:
                 up[sh] = pt.switch(good, U, sh)
         return up
 

@@ -24,7 +24,7 @@ import numpy as np
 import pytensor
 import pytensor.tensor as pt
 
-from pymc_mcssvi.families.gaussian import GaussianBlocks
+from pymc_mcssvi.families.gaussian import GaussianBlocks, cholesky, precision
 
 __all__ = ["MAX_COUPLED_HYPERS", "StepKernel"]
 
@@ -89,25 +89,26 @@ class StepKernel:
         self.cand_opt = [self._shared_tree(o, f"cand_opt_{s}") for s, o in enumerate(opt0)]
         self.hypers = hypers if (hypers is not None and getattr(hypers.spec, "size", 0)) else None
         self.nseg = nseg
-        n_phases_total = n_phases
         self.coupled = (
             self.hypers is not None
             and self.hypers.mode == "meanfield"
             and self.monotone
-            and n_phases_total == 1
+            and n_phases == 1
             and algorithm.parameterization == "precision"
             and algorithm.newton_mean
             and self.hypers.spec.size <= MAX_COUPLED_HYPERS
         )
-        n_h = self.hypers.spec.size if self.coupled else 0
-        self.base_cross = [
-            _shared(np.zeros(np.shape(m) + (n_h,)), f"base_cross_{s}")
-            for s, m in enumerate(init_means)
-        ] + [
-            _shared(np.zeros(np.shape(f) + (n_h,)), f"base_hess_cross_{s}")
-            for s, f in enumerate(init_factors)
-        ]
+        # Cross derivatives of the accepted state: of g per segment, then of H per segment.
+        self.base_cross = []
         if self.coupled:
+            n_h = self.hypers.spec.size
+            self.base_cross = [
+                _shared(np.zeros(np.shape(m) + (n_h,)), f"base_cross_{s}")
+                for s, m in enumerate(init_means)
+            ] + [
+                _shared(np.zeros(np.shape(f) + (n_h,)), f"base_hess_cross_{s}")
+                for s, f in enumerate(init_factors)
+            ]
             self.hypers.linear_response_state([np.shape(m) + (n_h,) for m in init_means])
 
     @staticmethod
@@ -151,11 +152,8 @@ class StepKernel:
             outs = self.rayleighs.evaluate(outs, n_values=nv)
         finite = pt.isfinite(outs[0])
         if self.hypers is not None:
-            cross = range(nv, nv + 2 * self.nseg) if self.coupled else ()
-            if self.coupled:
-                outs, hfinite, haux = self.hypers.evaluate(outs, n_values=nv, cross=cross)
-            else:
-                outs, hfinite, haux = self.hypers.evaluate(outs, n_values=nv)
+            kw = {"cross": range(nv, nv + 2 * self.nseg)} if self.coupled else {}
+            outs, hfinite, haux = self.hypers.evaluate(outs, n_values=nv, **kw)
             finite = pt.isfinite(outs[0]) & hfinite
         value, phase_values = outs[0], pt.stack(outs[1:nv])
         grads, hessians = outs[nv : nv + self.nseg], outs[nv + self.nseg :]
@@ -195,8 +193,9 @@ class StepKernel:
         if self.hypers is not None:
             coupling = None
             if self.coupled:
+                # Finite: a non-finite cross derivative rejects the candidate (hfinite).
                 crosses = [
-                    None if c is None else pt.switch(pt.isfinite(sel(c, b)), sel(c, b), 0.0)
+                    None if c is None else sel(c, b)
                     for c, b in zip(haux[2], self.base_cross, strict=True)
                 ]
                 cross_updates = {
@@ -273,10 +272,9 @@ class StepKernel:
 
 
 def _shifted_factor(L, dP):
-    from pymc_mcssvi.families.gaussian import cholesky
-
+    """Cholesky factor of ``L L^T + dP`` (symmetrized), or ``L`` if that is not positive definite."""
     dP = 0.5 * (dP + pt.matrix_transpose(dP))
-    L2 = cholesky(L @ pt.matrix_transpose(L) + dP)
+    L2 = cholesky(precision(GaussianBlocks(None, L), "precision") + dP)
     return pt.switch(pt.all(pt.isfinite(L2)), L2, L)
 
 

@@ -256,9 +256,9 @@ class StructuredApproximation(Approximation):
             for j, gj in enumerate(self.groups):
                 if i == j:
                     row.append(gi.cov)
-                elif hasattr(gi, "cross_cov") and getattr(gi, "response", None) is not None:
+                elif getattr(gi, "response", None) is not None:
                     row.append(gi.cross_cov(gj))
-                elif hasattr(gj, "cross_cov") and getattr(gj, "response", None) is not None:
+                elif getattr(gj, "response", None) is not None:
                     row.append(gj.cross_cov(gi).T)
                 else:
                     row.append(pt.zeros((gi.ddim, gj.ddim)))

@@ -61,12 +61,13 @@ def depends_on_any(var: Variable, targets) -> bool:
     return bool(targets) and any(a in targets for a in ancestors([var]))
 
 
-def evaluate_static(exprs: list[Variable]) -> list[np.ndarray]:
+def evaluate_static(exprs: list[Variable], mode="FAST_COMPILE") -> list[np.ndarray]:
     """Values of graphs that do not depend on the model's free variables.
 
     Index arrays and sizes can still reach a value variable through a shape:
     with ``dims=``, ``z[group]`` carries ``Shape(sd * z)``. Shape inference
-    removes such dependencies before the graphs are evaluated.
+    removes such dependencies before the graphs are evaluated. ``mode`` is the
+    compilation mode of the evaluation.
 
     Raises
     ------
@@ -77,11 +78,11 @@ def evaluate_static(exprs: list[Variable]) -> list[np.ndarray]:
     from pytensor.graph.rewriting.utils import rewrite_graph
 
     try:
-        return pytensor.function([], exprs, mode="FAST_COMPILE")()
+        return pytensor.function([], exprs, mode=mode)()
     except pytensor.graph.fg.MissingInputError:
         pass
     exprs = rewrite_graph(exprs, include=("ShapeOpt", "canonicalize"))
-    return pytensor.function([], exprs, mode="FAST_COMPILE")()
+    return pytensor.function([], exprs, mode=mode)()
 
 
 def static_shape(var: Variable) -> tuple[int, ...]:

@@ -131,3 +131,34 @@ def test_unstandardized_covariate_does_not_stall_the_start():
         w_raw.mean(0), w_scaled.mean(0), rtol=0.02, atol=0.1 * w_scaled.std(0).max()
     )
     np.testing.assert_allclose(w_raw.std(0), w_scaled.std(0), rtol=0.1)
+
+
+def test_step_without_structure_rewrites_gives_the_same_fit(grouped_data):
+    """Skipping PyTensor's matrix-structure rewrites (set-up time) changes no number."""
+    from pytensor.compile.mode import Mode, get_mode
+    from pytensor.link.vm import VMLinker
+
+    from pymc_mcssvi.pymc.inference import python_step_mode, structure_rewrites
+
+    names = structure_rewrites()
+    assert {"diagonal_solve_to_division", "dot_diag_to_elemwise", "cholesky_of_diag"} <= set(names)
+    excluded = set(python_step_mode().provided_optimizer.exclude)
+    assert set(names) <= excluded
+
+    g, u, y = grouped_data
+    with pm.Model() as model:
+        s = pm.HalfNormal("s", 1.0)
+        beta = pm.Normal("beta", 0, 1)
+        z = pm.Normal("z", 0, 1, shape=10)
+        pm.Bernoulli("y", logit_p=beta * u + (s * z)[g], observed=y)
+    full = Mode(
+        linker=VMLinker(use_cloop=False, c_thunks=False, allow_gc=False),
+        optimizer=get_mode("FAST_COMPILE").provided_optimizer,
+    )
+    with model:
+        fast = pymc_mcssvi.HMCSSVI(random_seed=1).fit(n=10, progressbar=False, backend="python")
+        ref = pymc_mcssvi.HMCSSVI(random_seed=1).fit(
+            n=10, progressbar=False, compile_kwargs={"mode": full}
+        )
+    np.testing.assert_allclose(fast.hist, ref.hist, rtol=1e-10)
+    np.testing.assert_allclose(fast.mean.eval(), ref.mean.eval(), rtol=1e-8, atol=1e-10)

@@ -140,3 +140,23 @@ class _StackedLinalg(Op):
 
 stacked_cholesky = _StackedLinalg("cholesky")
 stacked_inverse = _StackedLinalg("inverse")
+
+
+def register_jax_dispatch() -> None:
+    """Teach PyTensor's JAX backend :class:`_StackedLinalg` (idempotent).
+
+    Called before a step is compiled with ``backend="jax"`` (importing the JAX
+    dispatch imports JAX, which the other backends do not need). JAX's batched
+    Cholesky returns NaN for a block that is not positive definite, as
+    :meth:`_StackedLinalg.perform` does.
+    """
+    from pytensor.link.jax.dispatch import jax_funcify
+
+    if _StackedLinalg in jax_funcify.registry:
+        return
+
+    @jax_funcify.register(_StackedLinalg)
+    def _jax_stacked_linalg(op, **kwargs):
+        import jax.numpy as jnp
+
+        return jnp.linalg.inv if op.kind == "inverse" else jnp.linalg.cholesky

@@ -1,0 +1,105 @@
+"""The compiled backends give the same fit as the uncompiled step."""
+
+import numpy as np
+import pytest
+
+import pymc_mcssvi
+from pymc_mcssvi.models import pmf
+from pymc_mcssvi.pymc import inference
+
+jax = pytest.importorskip("jax")
+
+
+def _ordinal_pmf(seed=0):
+    rng = np.random.default_rng(seed)
+    R, C, K, n = 12, 9, 3, 80
+    rows, cols = rng.integers(0, R, n), rng.integers(0, C, n)
+    y = rng.integers(0, 5, n)
+    return pmf(
+        rows, cols, y, R, C, K, likelihood="ordinal", cutpoints=[-1.5, -0.4, 0.5, 1.6], n_levels=5
+    )
+
+
+def test_jax_step_matches_the_python_step():
+    """Same bound trace and q (stacked Cholesky/inverse dispatched to JAX)."""
+    model = _ordinal_pmf()
+    with model:
+        ref = pymc_mcssvi.HMCSSVI(random_seed=1).fit(n=6, progressbar=False, backend="python")
+        inf = pymc_mcssvi.HMCSSVI(random_seed=1)
+        got = inf.fit(n=6, progressbar=False, backend="jax")
+    assert inf.backend_used == "jax"
+    np.testing.assert_allclose(got.hist, ref.hist, rtol=1e-9)
+    np.testing.assert_allclose(got.mean.eval(), ref.mean.eval(), rtol=1e-7, atol=1e-9)
+    np.testing.assert_allclose(got.std.eval(), ref.std.eval(), rtol=1e-7, atol=1e-9)
+
+
+def test_jax_step_with_row_subsampling_draws_new_rows_each_iteration():
+    """JAX steps use a copy of the subsampling generator; it must still advance."""
+    from pytensor.tensor.random.type import RandomType
+
+    model = _ordinal_pmf(1)
+    with model:
+        inf = pymc_mcssvi.HMCSSVI(random_seed=2, row_subsample=2)
+        step = inf._step_function("jax")
+    state = [
+        i.variable
+        for i in step.maker.inputs
+        if i.update is not None and not isinstance(i.variable.type, RandomType)
+    ]
+    start = [v.get_value(borrow=False) for v in state]
+    first = [np.asarray(o).copy() for o in step()]
+    for v, value in zip(state, start, strict=True):
+        v.set_value(value)
+    second = [np.asarray(o).copy() for o in step()]
+    assert all(np.all(np.isfinite(o)) for o in first + second)
+    assert any(not np.array_equal(a, b) for a, b in zip(first, second, strict=True))
+
+
+def test_automatic_jax_falls_back_to_numba_when_an_op_has_no_translation(monkeypatch):
+    model = _ordinal_pmf()
+    compiled = []
+    real_compile = inference.StructuredVI._compile_step
+
+    def fake_compile(self, backend, compile_kwargs):
+        compiled.append(backend)
+        if backend == "jax":
+            raise NotImplementedError("No JAX conversion for the given `Op`: Foo")
+        return real_compile(self, "python", {})  # stands in for numba (slow to compile)
+
+    monkeypatch.setattr(inference.StructuredVI, "_compile_step", fake_compile)
+    monkeypatch.setattr(inference.StructuredVI, "choose_backend", lambda self: "jax")
+    with model:
+        inf = pymc_mcssvi.HMCSSVI(random_seed=1)
+        inf.fit(n=2, progressbar=False)
+        inf.fit(n=1, progressbar=False)
+    assert compiled == ["jax", "numba"]  # the fallback is remembered
+    assert inf.backend_used == "numba"
+    with model, pytest.raises(NotImplementedError, match="No JAX conversion"):
+        pymc_mcssvi.HMCSSVI(random_seed=1).fit(n=1, progressbar=False, backend="jax")
+
+
+def test_large_steps_compile_with_jax_when_it_is_installed(monkeypatch):
+    model = _ordinal_pmf()
+    with model:
+        inf = pymc_mcssvi.HMCSSVI(random_seed=1)
+    monkeypatch.setattr(inf, "work_estimate", lambda: 10 * inference.COMPILE_WORK_THRESHOLD)
+    assert inf.choose_backend() == "jax"
+    monkeypatch.setattr(inference, "jax_available", lambda: False)
+    assert inf.choose_backend() == "numba"
+
+
+def test_jax_fit_leaves_numpy_state_for_the_rest_of_the_fit():
+    """Local posteriors, sampling and SciPy-backed helpers run after a JAX step."""
+    rng = np.random.default_rng(0)
+    X = rng.standard_normal((60, 3))
+    y = rng.poisson(np.log1p(np.exp(X @ np.array([0.5, -0.3, 0.2]))))
+    model = pymc_mcssvi.models.gme(X, y, prior_sd=1.0, tau=5.0)
+    with model:
+        ref = pymc_mcssvi.HMCSSVI(random_seed=0).fit(n=3, progressbar=False, backend="python")
+        inf = pymc_mcssvi.HMCSSVI(random_seed=0)
+        got = inf.fit(n=3, progressbar=False, backend="jax")
+    for v in inf._step_function("jax").state:
+        assert type(v.get_value(borrow=True)) is np.ndarray, v.name
+    np.testing.assert_allclose(got.hist, ref.hist, rtol=1e-9)
+    draws = got.sample(50, random_seed=1)
+    assert np.all(np.isfinite(draws.posterior["f"].values))

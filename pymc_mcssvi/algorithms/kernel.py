@@ -189,6 +189,8 @@ class StepKernel:
         g_safe = [pt.switch(pt.isfinite(x), x, 0.0) for x in g]
         H_safe = [pt.switch(pt.isfinite(x), x, 0.0) for x in H]
         stepped, stepped_opt = alg.step(new_base, g_safe, H_safe, rho, scale, t, opt)
+        if not self.monotone and self.algorithm.parameterization == "precision":
+            stepped = [_trust_region(st, old) for st, old in zip(stepped, new_base, strict=True)]
         hyper_updates, cross_updates = {}, {}
         if self.hypers is not None:
             coupling = None
@@ -276,6 +278,27 @@ def _shifted_factor(L, dP):
     dP = 0.5 * (dP + pt.matrix_transpose(dP))
     L2 = cholesky(precision(GaussianBlocks(None, L), "precision") + dP)
     return pt.switch(pt.all(pt.isfinite(L2)), L2, L)
+
+
+#: Largest Mahalanobis length of one block's mean step, under the block's current
+#: precision, in stochastic (minibatch / row-subsampled) fits.
+STOCHASTIC_MAX_MEAN_STEP = 10.0
+
+
+def _trust_region(stepped: GaussianBlocks, old: GaussianBlocks) -> GaussianBlocks:
+    """Shorten each block's mean step to :data:`STOCHASTIC_MAX_MEAN_STEP` current sds.
+
+    Stochastic fits take no backtracking steps: a step from a subsample whose
+    estimates are far off (heavily up-weighted rows) can throw a block many
+    posterior sds away, where the next estimates are worse still. In the
+    Mahalanobis metric of the current q the cap is invariant to the
+    parameterization; once q is near its optimum the steps are far shorter.
+    """
+    delta = stepped.mean - old.mean
+    z = pt.sum(old.factor * delta[..., :, None], axis=-2)  # L^T delta, (R, K)
+    length = pt.sqrt(pt.sum(z**2, axis=-1, keepdims=True))
+    shrink = pt.minimum(1.0, STOCHASTIC_MAX_MEAN_STEP / pt.maximum(length, 1e-300))
+    return GaussianBlocks(old.mean + shrink * delta, stepped.factor)
 
 
 def _select_tree(cond, a, b):

@@ -64,7 +64,6 @@ logger = logging.getLogger("pymc_mcssvi")
 #: Consecutive rejected steps after which the fit is declared divergent.
 MAX_REJECTIONS = 40
 
-#: Estimated flops per iteration above which the step is compiled with numba.
 #: Below this many estimated flops per iteration BLAS runs on one thread.
 BLAS_THREADS_WORK = 5e8
 #: Estimated flops per iteration above which ``backend=None`` compiles the step
@@ -598,13 +597,17 @@ class StructuredVI(Inference):
             ck = {**compile_kwargs, "mode": python_step_mode()}
         else:
             ck = resolve_backend_compile_kwargs(backend, compile_kwargs)
-        if backend == "jax":
+        mode = ck.get("mode")
+        jax_mode = backend == "jax" or (
+            isinstance(mode, Mode) and type(mode.linker).__name__ == "JAXLinker"
+        )
+        if jax_mode:
             register_jax_dispatch()
         with self.model, warnings.catch_warnings():
             # JAX steps draw from a copy of the row-subsampling generators: expected.
             warnings.filterwarnings("ignore", "The RandomType SharedVariables", UserWarning)
             fn = pm_compile([], outputs, updates=updates, random_seed=self.random_seed, **ck)
-        return _HostStateStep(fn) if backend == "jax" else fn
+        return _HostStateStep(fn) if jax_mode else fn
 
     # --------------------------------------------------------------------- fit
     def fit(

@@ -100,6 +100,13 @@ def test_jax_fit_leaves_numpy_state_for_the_rest_of_the_fit():
         got = inf.fit(n=3, progressbar=False, backend="jax")
     for v in inf._step_function("jax").state:
         assert type(v.get_value(borrow=True)) is np.ndarray, v.name
+    # the same with a JAX mode passed through compile_kwargs
+    from pytensor.compile.mode import get_mode
+
+    with model:
+        inf2 = pymc_mcssvi.HMCSSVI(random_seed=0)
+        inf2.fit(n=2, progressbar=False, compile_kwargs={"mode": get_mode("JAX")})
+    assert all(type(v.get_value(borrow=True)) is np.ndarray for v in inf2.kernel.base_mean)
     np.testing.assert_allclose(got.hist, ref.hist, rtol=1e-9)
     draws = got.sample(50, random_seed=1)
     assert np.all(np.isfinite(draws.posterior["f"].values))

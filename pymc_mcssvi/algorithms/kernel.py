@@ -24,7 +24,7 @@ import numpy as np
 import pytensor
 import pytensor.tensor as pt
 
-from pymc_mcssvi.families.gaussian import GaussianBlocks, cholesky, precision
+from pymc_mcssvi.families.gaussian import GaussianBlocks, bmv, cholesky, precision
 
 __all__ = ["MAX_COUPLED_HYPERS", "StepKernel"]
 
@@ -295,7 +295,7 @@ def _trust_region(stepped: GaussianBlocks, old: GaussianBlocks) -> GaussianBlock
     parameterization; once q is near its optimum the steps are far shorter.
     """
     delta = stepped.mean - old.mean
-    z = pt.sum(old.factor * delta[..., :, None], axis=-2)  # L^T delta, (R, K)
+    z = bmv(pt.matrix_transpose(old.factor), delta)  # L^T delta, (R, K)
     length = pt.sqrt(pt.sum(z**2, axis=-1, keepdims=True))
     shrink = pt.minimum(1.0, STOCHASTIC_MAX_MEAN_STEP / pt.maximum(length, 1e-300))
     return GaussianBlocks(old.mean + shrink * delta, stepped.factor)

@@ -580,15 +580,14 @@ class StructuredVI(Inference):
         key = (backend, repr(sorted(compile_kwargs.items())))
         if key not in self._step_fns:
             try:
-                self._step_fns[key] = (self._compile_step(backend, compile_kwargs), backend)
+                fn, used = self._compile_step(backend, compile_kwargs), backend or "custom"
             except NotImplementedError as err:
                 if not (automatic and backend == "jax"):
                     raise
                 logger.info("JAX cannot compile this step (%s); using numba instead.", err)
-                fn = self._compile_step("numba", compile_kwargs)
-                self._step_fns[key] = (fn, "numba")
+                fn, used = self._compile_step("numba", compile_kwargs), "numba"
+            self._step_fns[key] = (fn, used)
         fn, self.backend_used = self._step_fns[key]
-        self.backend_used = self.backend_used or "custom"
         return fn
 
     def _compile_step(self, backend, compile_kwargs):

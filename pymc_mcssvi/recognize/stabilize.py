@@ -14,7 +14,13 @@ as differences of cumulative probabilities before taking the log:
   (1 - e^{b - a})``, it is ``-softplus(-a) - softplus(b) + log1mexp(b - a)``,
   finite for any ``f`` (``b - a = c_{k-1} - c_k`` does not depend on ``f``);
 * ordered probit: PyMC already has the log probabilities and exponentiates
-  them; ``log(take(exp(X)))`` becomes ``take(X)``.
+  them; ``log(take(exp(X)))`` becomes ``take(X)``;
+* complementary log-log (``p = 1 - exp(-exp(x))``) and log-log links:
+  PyTensor's pass leaves ``log1mexp(-exp(x))``, whose value is right but whose
+  derivatives are ``0 / 0`` once ``exp(x)`` underflows (``x < -745``) and
+  ``inf / inf`` once ``exp(exp(x))`` overflows (``x > 6.6``); it becomes a
+  three-piece form with finite derivatives of every order
+  (:func:`log1mexp_negexp`).
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ from pytensor.tensor.subtensor import AdvancedSubtensor, Subtensor, get_idx_list
 
 from pymc_mcssvi.recognize.graph import holds_row_positions
 
-__all__ = ["stable_logp"]
+__all__ = ["log1mexp_negexp", "stable_logp"]
 
 
 def _const_value(v):
@@ -91,6 +97,75 @@ def _log1p_minus_half_erfc(fgraph, node):
     if match is None or not np.isclose(match[0], 0.5):
         return None
     return [np.log(0.5) + pt.log(pt.erfc(-match[1]))]
+
+
+#: Below this ``x``, ``log(1 - exp(-exp(x))) = x - exp(x) / 2`` to double precision.
+_CLOGLOG_LOW = -20.0
+#: Above this ``x``, ``log(1 - exp(-exp(x))) = -exp(-exp(x))`` to double precision.
+_CLOGLOG_HIGH = 3.7
+
+
+def log1mexp_negexp(x):
+    """``log(1 - exp(-exp(x)))`` with finite first and second derivatives for every ``x``.
+
+    The log probability of the complementary log-log link. Three pieces, each
+    exact to double precision on its range: ``x - exp(x) / 2`` (series in
+    ``t = exp(x)``; the next term is ``t^2 / 24 < 1e-18``), ``log(-expm1(-exp(x)))``,
+    and ``-exp(-exp(x))`` (the next term is ``exp(-2 t) / 2 < 1e-18`` relative).
+    The inputs of the pieces that are not selected are clamped into their own
+    range, so their derivatives stay finite and ``switch`` drops them.
+
+    Examples
+    --------
+    >>> import numpy as np, pytensor, pytensor.tensor as pt
+    >>> x = pt.vector("x")
+    >>> d2 = pytensor.grad(pytensor.grad(log1mexp_negexp(x).sum(), x).sum(), x)
+    >>> np.isfinite(d2.eval({x: np.array([-900.0, 0.0, 40.0, 900.0])})).all()
+    np.True_
+    """
+    low = x < _CLOGLOG_LOW
+    high = x > _CLOGLOG_HIGH
+    x_low = pt.minimum(x, _CLOGLOG_LOW)
+    x_mid = pt.clip(x, _CLOGLOG_LOW, _CLOGLOG_HIGH)
+    x_high = pt.maximum(x, _CLOGLOG_HIGH)
+    return pt.switch(
+        low,
+        x_low - 0.5 * pt.exp(x_low),
+        # log(-expm1(.)) rather than log1mexp(.): the rewrite must not match its own output
+        pt.switch(high, -pt.exp(-pt.exp(x_high)), pt.log(-pt.expm1(-pt.exp(x_mid)))),
+    )
+
+
+def _negated_exp(v):
+    """Match ``-exp(x)`` (as ``neg`` or a product with the constant -1); return ``x``."""
+    if v.owner is None:
+        return None
+    if v.owner.op == neg:
+        e = v.owner.inputs[0]
+    elif v.owner.op == mul and len(v.owner.inputs) == 2:
+        a, b = v.owner.inputs
+        if _const_value(a) == -1.0:
+            e = b
+        elif _const_value(b) == -1.0:
+            e = a
+        else:
+            return None
+    else:
+        return None
+    if e.owner is not None and e.owner.op == exp:
+        return e.owner.inputs[0]
+    return None
+
+
+@node_rewriter([Elemwise])
+def _log1mexp_of_negexp(fgraph, node):
+    """``log1mexp(-exp(x)) -> log1mexp_negexp(x)`` (complementary log-log links)."""
+    if not isinstance(node.op.scalar_op, ps_math.Log1mexp):
+        return None
+    x = _negated_exp(node.inputs[0])
+    if x is None:
+        return None
+    return [log1mexp_negexp(x)]
 
 
 @node_rewriter([Elemwise])
@@ -329,4 +404,9 @@ def stable_logp(logp):
         clone=True,
     )
     logp = rewrite_graph(logp, include=("canonicalize", "stabilize"))
-    return rewrite_graph(logp, include=(), custom_rewrite=in2out(_softplus_to_ufuncs), clone=True)
+    return rewrite_graph(
+        logp,
+        include=(),
+        custom_rewrite=in2out(_softplus_to_ufuncs, _log1mexp_of_negexp),
+        clone=True,
+    )

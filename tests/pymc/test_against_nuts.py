@@ -86,6 +86,9 @@ def test_nonlinear_fallback_exponential_decay():
 LIKELIHOODS = {
     "studentt": lambda eta, y: pm.StudentT("y", nu=4, mu=eta, sigma=0.8, observed=y),
     "probit": lambda eta, y: pm.Bernoulli("y", p=pm.math.invprobit(eta), observed=y),
+    # complementary log-log, written the way users write it (failed at the start before
+    # the stable form: NaN derivatives at quadrature nodes far out)
+    "cloglog": lambda eta, y: pm.Bernoulli("y", p=1 - pm.math.exp(-pm.math.exp(eta)), observed=y),
     "binomial": lambda eta, y: pm.Binomial("y", n=8, logit_p=eta, observed=y),
     "negbinomial": lambda eta, y: pm.NegativeBinomial(
         "y", mu=pm.math.exp(eta), alpha=3.0, observed=y
@@ -103,6 +106,8 @@ def _simulate(name, eta, rng):
         from scipy.stats import norm
 
         return rng.binomial(1, norm.cdf(eta))
+    if name == "cloglog":
+        return rng.binomial(1, -np.expm1(-np.exp(eta)))
     if name == "binomial":
         return rng.binomial(8, 1 / (1 + np.exp(-eta)))
     if name == "negbinomial":

@@ -136,6 +136,27 @@ def _full_leading(term: LinearTerm, shape) -> LinearTerm:
     return LinearTerm(term.source, cols, vals)
 
 
+def _index_broadcast(vals, indices):
+    """``broadcast_to(vals, full)[indices]`` without materializing the broadcast.
+
+    On the leading axes where ``vals`` has length 1 (coefficients shared by
+    every row, e.g. a covariance factor in ``z @ chol.T``) an integer index is
+    replaced by zeros of its shape: the same values, no ``(rows, ...)`` copy, and
+    a graph that stays valid when the hyperparameters are vectorized over sigma
+    points (indexing the broadcast copy of a batched factor raised an
+    ``IndexError`` there). ``None`` when an index on such an axis is a slice.
+    """
+    new = []
+    for axis, idx in enumerate(indices):
+        if axis < vals.ndim - 1 and vals.type.shape[axis] == 1:
+            if not (isinstance(idx, Variable) and idx.dtype.startswith(("int", "uint"))):
+                return None
+            new.append(pt.zeros_like(idx))
+        else:
+            new.append(idx)
+    return vals[tuple(new)]
+
+
 def _dim(x, i):
     """Length of axis ``i``: a Python 1 when statically known, else symbolic."""
     return 1 if x.type.shape[i] == 1 else x.shape[i]
@@ -440,7 +461,10 @@ class _Linearizer:
             if t.is_dense and (t.vals is not None):
                 # Same columns everywhere: index the coefficients only.
                 k = t.cols.shape[-1]
-                vals = pt.broadcast_to(t.vals, (*shape, pt.maximum(k, t.vals.shape[-1])))[indices]
+                vals = _index_broadcast(t.vals, indices)
+                if vals is None:
+                    vals = pt.broadcast_to(t.vals, (*shape, pt.maximum(k, t.vals.shape[-1])))
+                    vals = vals[indices]
                 cols = t.cols.reshape((*([1] * var.ndim), k), ndim=var.ndim + 1)
                 terms.append(LinearTerm(t.source, cols, vals))
                 continue

@@ -44,7 +44,7 @@ from pymc_mcssvi.algorithms.schedules import make_schedule
 from pymc_mcssvi.algorithms.sdsvi import SDSVIStep
 from pymc_mcssvi.bounds.structured import StructuredBound
 from pymc_mcssvi.estimators.general import flat_indices
-from pymc_mcssvi.exceptions import DivergenceError
+from pymc_mcssvi.exceptions import DivergenceError, UnsupportedModelError
 from pymc_mcssvi.families.batched import register_jax_dispatch
 from pymc_mcssvi.families.gaussian import GaussianBlocks
 from pymc_mcssvi.pymc.approximation import (
@@ -148,6 +148,66 @@ def python_step_mode() -> Mode:
     )
 
 
+def covariance_hyperparameters(tlm, model) -> list[str]:
+    """Hyperparameters that parameterize a covariance matrix of Gaussian effects.
+
+    An ``LKJCholeskyCov`` / ``LKJCorr`` factor (used as ``z @ chol.T`` or as
+    the ``chol`` of a ``pm.MvNormal``), or any hyperparameter in the covariance
+    of an ``MvNormal`` Gaussian global. ``hyper="meanfield"`` does not support
+    them: its sigma-point expectations of such priors fail (an ``IndexError``
+    in the step, or a compilation that runs out of memory).
+    """
+    from pymc_mcssvi.recognize.graph import depends_on_any
+
+    names = []
+    hyper_values = [h.value for h in tlm.hypers]
+    for h in tlm.hypers:
+        op = h.rv.owner.op if h.rv.owner is not None else None
+        label = f"{type(op).__name__} {getattr(op, 'name', '')}".lower()
+        if "lkj" in label:
+            names.append(h.name)
+    for g in tlm.gaussians:
+        if g.prior != "mvnormal" or g.rv.owner is None:
+            continue
+        # MvNormal(mu, cov): the covariance is the last input of the RV
+        (cov,) = model.replace_rvs_by_values([g.rv.owner.inputs[-1]])
+        if depends_on_any(cov, hyper_values):
+            names.extend(
+                h.name for h in tlm.hypers if h.name not in names and depends_on_any(cov, [h.value])
+            )
+    return names
+
+
+def resolve_hyper_mode(tlm, model, hyper):
+    """``hyper=None`` is ``"meanfield"``, or ``"point"`` (with a warning) for covariance hyperparameters.
+
+    Raises
+    ------
+    UnsupportedModelError
+        ``hyper="meanfield"`` asked for explicitly on such a model.
+    """
+    cov_hypers = covariance_hyperparameters(tlm, model) if tlm.hypers else []
+    if not cov_hypers:
+        return hyper or "meanfield"
+    listed = ", ".join(repr(n) for n in cov_hypers)
+    if hyper == "meanfield":
+        raise UnsupportedModelError(
+            cov_hypers[0],
+            f"hyper='meanfield' does not support covariance-matrix hyperparameters ({listed})",
+            "fit with hyper='point' (their values are then point estimates), e.g. "
+            "pm.fit(method='hmcssvi', inf_kwargs={'hyper': 'point'})",
+        )
+    if hyper is None:
+        warnings.warn(
+            f"{listed} parameterize(s) the covariance of Gaussian effects; "
+            "hyper='meanfield' does not support that, so these and the other hyperparameters "
+            "are point estimates (hyper='point'). Pass hyper='point' to silence this warning.",
+            UserWarning,
+            stacklevel=4,
+        )
+    return "point"
+
+
 class _HostStateStep:
     """A JAX-compiled step that leaves NumPy arrays in the shared state.
 
@@ -228,13 +288,17 @@ class StructuredVI(Inference):
         above :data:`START_PREDICTOR_SD` (unstandardized covariates).
     cov : {"auto", "full", "block", "diag"} or dict, optional
         Covariance structure of q per Gaussian global.
-    hyper : {"meanfield", "point"}
+    hyper : {"meanfield", "point"}, optional
         Treatment of hyperparameters (free variables without a Gaussian or
         Rayleigh prior): a Gaussian q in PyMC's unconstrained space,
         independent of q(w) (default; closer to NUTS for group-level scales,
         see docs/benchmarks.md), or type-II ML / MAP point estimates of the
         bound (the paper's choice). See
-        :mod:`pymc_mcssvi.algorithms.hyperparameters`.
+        :mod:`pymc_mcssvi.algorithms.hyperparameters`. By default
+        ``"meanfield"``, except for models whose hyperparameters parameterize a
+        covariance matrix (``LKJCholeskyCov``, an ``MvNormal`` covariance),
+        which ``"meanfield"`` does not support: they get ``"point"`` with a
+        warning (see :func:`covariance_hyperparameters`).
     schedule : {"auto", "adaptive", "inverse", "power", "constant"} or float
         Step-size schedule; ``"auto"`` is ``"adaptive"`` for full-batch fits and
         ``"power"`` for minibatch fits. See :mod:`pymc_mcssvi.algorithms.schedules`.
@@ -308,7 +372,7 @@ class StructuredVI(Inference):
         start=None,
         start_sigma=1.0,
         cov=None,
-        hyper="meanfield",
+        hyper=None,
         schedule="auto",
         rho0=None,
         tau=None,
@@ -331,9 +395,8 @@ class StructuredVI(Inference):
         self.model = pm.modelcontext(model)
         self.linear_response = bool(linear_response)
         self.random_seed = random_seed
-        if hyper not in ("point", "meanfield"):
+        if hyper not in (None, "point", "meanfield"):
             raise ValueError(f"hyper must be 'point' or 'meanfield', got {hyper!r}")
-        self.hyper_mode = hyper
         self._n_inner = int(n_inner)
         self.hist = np.asarray(())
         self.state = None
@@ -345,6 +408,7 @@ class StructuredVI(Inference):
             t0 = time.perf_counter()
             self.tlm = recognize(self.model, cov=cov, bound=bound, inner=inner, n_inner=n_inner)
             self.recognition_time = time.perf_counter() - t0
+            self.hyper_mode = hyper = resolve_hyper_mode(self.tlm, self.model, hyper)
             if row_subsample is not None and not self.tlm.bilinear_terms:
                 raise ValueError(
                     "row_subsample applies to matrix factorization (bilinear predictors); "

@@ -2,6 +2,7 @@
 
 import numpy as np
 import pymc as pm
+import pytensor.tensor as pt
 import pytest
 from scipy.special import expit
 
@@ -158,3 +159,42 @@ def test_scale_at_the_edge_of_its_support_stays_finite():
     assert np.all(np.isfinite(post["a"].values)) and np.all(np.isfinite(post["mu"].values))
     assert 0 < float(post["sd"].values.ravel()[0]) < 0.1
     assert np.abs(post["a"].values).max() < 0.5
+
+
+def _lkj_slopes_model(J=8, N=80, seed=3):
+    rng = np.random.default_rng(seed)
+    g = np.concatenate([np.arange(J), rng.integers(0, J, N - J)])
+    x = rng.normal(size=N)
+    y = 1.0 + rng.normal(0, 0.5, J)[g] + (0.5 + rng.normal(0, 0.3, J)[g]) * x
+    y = y + rng.normal(0, 0.5, N)
+    with pm.Model() as m:
+        b0 = pm.Normal("b0", 0.0, 5.0)
+        b1 = pm.Normal("b1", 0.0, 2.0)
+        chol, _, _ = pm.LKJCholeskyCov(
+            "chol", n=2, eta=2.0, sd_dist=pm.HalfNormal.dist(1.0, shape=2), compute_corr=True
+        )
+        z = pm.Normal("z", 0.0, 1.0, shape=(J, 2))
+        ab = pm.Deterministic("ab", pt.dot(z, chol.T))
+        sigma = pm.HalfNormal("sigma", 2.0)
+        pm.Normal("y", b0 + ab[g, 0] + (b1 + ab[g, 1]) * x, sigma, observed=y)
+    return m
+
+
+def test_lkj_covariance_hyperparameters_get_point_estimates_by_default():
+    """Correlated random effects (``z @ chol.T``): q(h) mean-field sigma points fail on an
+    LKJ factor (an IndexError in the step), so the default is point estimates with a
+    warning naming the variable, and an explicit ``hyper="meanfield"`` is a clear error."""
+    from pymc_mcssvi.exceptions import UnsupportedModelError
+
+    model = _lkj_slopes_model()
+    with model, pytest.warns(UserWarning, match="'chol' parameterize"):
+        inf = pymc_mcssvi.HMCSSVI(random_seed=1)
+    assert inf.hyper_mode == "point"
+    with model:
+        approx = inf.fit(progressbar=False)
+    assert approx.converged
+    post = approx.sample(200, random_seed=2).posterior
+    assert np.isfinite(post["chol_stds"].values).all()
+    assert np.isfinite(post["ab"].values).all()
+    with model, pytest.raises(UnsupportedModelError, match="hyper='point'"):
+        pymc_mcssvi.HMCSSVI(hyper="meanfield")

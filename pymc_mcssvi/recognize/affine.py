@@ -141,10 +141,8 @@ def _index_broadcast(vals, indices):
 
     On the leading axes where ``vals`` has length 1 (coefficients shared by
     every row, e.g. a covariance factor in ``z @ chol.T``) an integer index is
-    replaced by zeros of its shape: the same values, no ``(rows, ...)`` copy, and
-    a graph that stays valid when the hyperparameters are vectorized over sigma
-    points (indexing the broadcast copy of a batched factor raised an
-    ``IndexError`` there). ``None`` when an index on such an axis is a slice.
+    replaced by zeros of its shape: the same values without a ``(rows, ...)``
+    copy. ``None`` when an index on such an axis is a slice.
     """
     new = []
     for axis, idx in enumerate(indices):

@@ -34,7 +34,11 @@ import numpy as np
 import pytensor
 import pytensor.tensor as pt
 from pytensor.gradient import jacobian
+from pytensor.graph.basic import Constant
 from pytensor.graph.replace import graph_replace, vectorize_graph
+from pytensor.graph.rewriting.basic import node_rewriter
+from pytensor.tensor.basic import Split
+from pytensor.tensor.blockwise import Blockwise
 
 from pymc_mcssvi.algorithms.optimizers import Optimizer
 from pymc_mcssvi.families.gaussian import (
@@ -55,6 +59,7 @@ __all__ = [
     "PointHyperparameters",
     "newton_direction",
     "sigma_points",
+    "unbatch_constant_split",
 ]
 
 
@@ -135,6 +140,31 @@ def sigma_points(dim: int) -> tuple[np.ndarray, np.ndarray]:
             pts.append(e)
             wts.append(1.0 / (2.0 * (dim + kappa)))
     return np.array(pts), np.array(wts)
+
+
+@node_rewriter([Blockwise])
+def unbatch_constant_split(fgraph, node):
+    """``Blockwise(Split)`` with constant, unbatched sizes -> ``Split`` on the shifted axis.
+
+    ``vectorize_graph`` over the sigma points turns a ``Split`` (from the gradient
+    of a ``Join``) into a ``Blockwise`` whose sizes get a batch axis of length 1;
+    JAX then maps over the sizes, cannot use them as static split positions and
+    fails to trace the step (random-slope GLMMs). A plain ``Split`` of the batched
+    input along the core axis shifted by the batch dimensions is the same.
+    """
+    if not isinstance(node.op.core_op, Split):
+        return None
+    x, sizes = node.inputs
+    if not isinstance(sizes, Constant):
+        return None
+    data = np.asarray(sizes.data)
+    rows = data.reshape(-1, data.shape[-1])
+    if not (rows == rows[0]).all():
+        return None
+    core = node.op.core_op
+    batch = x.ndim - len(node.op.inputs_sig[0])
+    outs = pt.split(x, rows[0], n_splits=core.len_splits, axis=core.axis + batch)
+    return list(outs)
 
 
 def _shared(value, name):

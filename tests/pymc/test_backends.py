@@ -81,7 +81,8 @@ def test_automatic_jax_falls_back_when_an_op_has_no_translation(monkeypatch):
 
 
 def _slopes_glmm(seed=0, J=20, N=120):
-    """Random intercepts and slopes: JAX cannot trace its step (a Split with symbolic sizes)."""
+    """Random intercepts and slopes: the gradient of a Join in ``h``, vectorized over
+    sigma points, gives a ``Blockwise(Split)`` that JAX could not trace."""
     import pymc as pm
 
     rng = np.random.default_rng(seed)
@@ -99,22 +100,41 @@ def _slopes_glmm(seed=0, J=20, N=120):
     return m
 
 
-def test_automatic_jax_falls_back_when_jax_cannot_trace_the_step(monkeypatch):
-    """JAX traces on the first call: a failure there switches to the fallback backend
-    (the default ``pm.fit`` crashed on such GLMMs above the compile threshold)."""
+def test_random_slope_glmm_runs_on_jax():
+    """Static split positions (``unbatch_constant_split``): the step traces under JAX
+    (a ``ConcretizationTypeError`` before) and gives the Python step's fit."""
     model = _slopes_glmm()
     with model:
         ref = pymc_mcssvi.HMCSSVI(random_seed=1).fit(n=4, progressbar=False, backend="python")
-        with pytest.raises(Exception):  # noqa: B017 (JAX's tracing errors have no common base)
-            pymc_mcssvi.HMCSSVI(random_seed=1).fit(n=1, progressbar=False, backend="jax")
+        inf = pymc_mcssvi.HMCSSVI(random_seed=1)
+        got = inf.fit(n=4, progressbar=False, backend="jax")
+        assert inf.backend_used == "jax"
+        np.testing.assert_allclose(got.hist, ref.hist, rtol=1e-10)
+        np.testing.assert_allclose(got.mean.eval(), ref.mean.eval(), rtol=1e-8, atol=1e-10)
+
+
+def test_automatic_jax_falls_back_when_jax_cannot_trace_the_step(monkeypatch):
+    """JAX traces on the first call: a failure there switches to the fallback backend."""
+    model = _ordinal_pmf()
+    calls = []
+
+    def untraceable(self):
+        calls.append(1)
+        raise RuntimeError("Abstract tracer value encountered where concrete value is expected")
+
+    with model:
+        ref = pymc_mcssvi.HMCSSVI(random_seed=1).fit(n=4, progressbar=False, backend="python")
+        monkeypatch.setattr(inference._HostStateStep, "__call__", untraceable)
         monkeypatch.setattr(inference.StructuredVI, "choose_backend", lambda self: "jax")
         inf = pymc_mcssvi.HMCSSVI(random_seed=1)
         got = inf.fit(n=4, progressbar=False)
-        assert inf.backend_used == "python"
+        assert calls == [1] and inf.backend_used == "python"
         np.testing.assert_allclose(got.hist, ref.hist, rtol=1e-10)
         np.testing.assert_allclose(got.mean.eval(), ref.mean.eval(), rtol=1e-8, atol=1e-10)
         inf.fit(n=1, progressbar=False)
-    assert inf.backend_used == "python"
+    assert calls == [1] and inf.backend_used == "python"  # the fallback is remembered
+    with model, pytest.raises(RuntimeError, match="Abstract tracer"):
+        pymc_mcssvi.HMCSSVI(random_seed=1).fit(n=1, progressbar=False, backend="jax")
 
 
 def test_large_steps_compile_with_jax_when_it_is_installed(monkeypatch):

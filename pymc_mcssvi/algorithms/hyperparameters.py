@@ -152,7 +152,8 @@ def unbatch_constant_split(fgraph, node):
     fails to trace the step (random-slope GLMMs). A plain ``Split`` of the batched
     input along the core axis shifted by the batch dimensions is the same.
     """
-    if not isinstance(node.op.core_op, Split):
+    core = node.op.core_op
+    if not isinstance(core, Split) or core.len_splits < 2 or len(node.inputs) != 2:
         return None
     x, sizes = node.inputs
     if not isinstance(sizes, Constant):
@@ -161,7 +162,6 @@ def unbatch_constant_split(fgraph, node):
     rows = data.reshape(-1, data.shape[-1])
     if not (rows == rows[0]).all():
         return None
-    core = node.op.core_op
     batch = x.ndim - len(node.op.inputs_sig[0])
     outs = pt.split(x, rows[0], n_splits=core.len_splits, axis=core.axis + batch)
     return list(outs)

@@ -136,25 +136,6 @@ def _full_leading(term: LinearTerm, shape) -> LinearTerm:
     return LinearTerm(term.source, cols, vals)
 
 
-def _index_broadcast(vals, indices):
-    """``broadcast_to(vals, full)[indices]`` without materializing the broadcast.
-
-    On the leading axes where ``vals`` has length 1 (coefficients shared by
-    every row, e.g. a covariance factor in ``z @ chol.T``) an integer index is
-    replaced by zeros of its shape: the same values without a ``(rows, ...)``
-    copy. ``None`` when an index on such an axis is a slice.
-    """
-    new = []
-    for axis, idx in enumerate(indices):
-        if axis < vals.ndim - 1 and vals.type.shape[axis] == 1:
-            if not (isinstance(idx, Variable) and idx.dtype.startswith(("int", "uint"))):
-                return None
-            new.append(pt.zeros_like(idx))
-        else:
-            new.append(idx)
-    return vals[tuple(new)]
-
-
 def _dim(x, i):
     """Length of axis ``i``: a Python 1 when statically known, else symbolic."""
     return 1 if x.type.shape[i] == 1 else x.shape[i]
@@ -459,10 +440,7 @@ class _Linearizer:
             if t.is_dense and (t.vals is not None):
                 # Same columns everywhere: index the coefficients only.
                 k = t.cols.shape[-1]
-                vals = _index_broadcast(t.vals, indices)
-                if vals is None:
-                    vals = pt.broadcast_to(t.vals, (*shape, pt.maximum(k, t.vals.shape[-1])))
-                    vals = vals[indices]
+                vals = pt.broadcast_to(t.vals, (*shape, pt.maximum(k, t.vals.shape[-1])))[indices]
                 cols = t.cols.reshape((*([1] * var.ndim), k), ndim=var.ndim + 1)
                 terms.append(LinearTerm(t.source, cols, vals))
                 continue

@@ -56,7 +56,7 @@ from pymc_mcssvi.pymc.approximation import (
     StructuredGaussianGroup,
 )
 from pymc_mcssvi.pymc.locals import LocalGroup, initial_local_params, local_posteriors
-from pymc_mcssvi.recognize.graph import evaluate_static
+from pymc_mcssvi.recognize.graph import depends_on_any, evaluate_static
 from pymc_mcssvi.recognize.model import recognize
 
 __all__ = ["HMCSSVI", "MCSSVI", "SDSVI", "StructuredVI"]
@@ -159,8 +159,6 @@ def covariance_hyperparameters(tlm, model) -> list[str]:
     them: its sigma-point expectations of such priors fail (an ``IndexError``
     in the step, or a compilation that runs out of memory).
     """
-    from pymc_mcssvi.recognize.graph import depends_on_any
-
     names = []
     hyper_values = [h.value for h in tlm.hypers]
     for h in tlm.hypers:
@@ -687,19 +685,17 @@ class StructuredVI(Inference):
         key = (backend, repr(sorted(compile_kwargs.items())))
         if key not in self._step_fns:
             try:
-                fn, used = self._compile_step(backend, compile_kwargs), backend or "custom"
+                fn = self._compile_step(backend, compile_kwargs)
             except NotImplementedError as err:
                 if not (automatic and backend == "jax"):
                     raise
-                fallback = self._jax_fallback_backend()
-                logger.info("JAX cannot compile this step (%s); using %s instead.", err, fallback)
-                fn, used = self._compile_step(fallback, compile_kwargs), fallback
+                self._replace_jax_step(key, compile_kwargs, err)
             else:
                 if automatic and backend == "jax":
                     fn = _TracedOnFirstCall(
                         fn, lambda err: self._replace_jax_step(key, compile_kwargs, err)
                     )
-            self._step_fns[key] = (fn, used)
+                self._step_fns[key] = (fn, backend or "custom")
         fn, self.backend_used = self._step_fns[key]
         return fn
 
@@ -712,6 +708,7 @@ class StructuredVI(Inference):
         return "python" if self.work_estimate() < JAX_FALLBACK_COMPILE_WORK else "numba"
 
     def _replace_jax_step(self, key, compile_kwargs, err):
+        """Compile the fallback of a JAX step that failed to compile or trace, and remember it."""
         fallback = self._jax_fallback_backend()
         logger.info(
             "JAX cannot run this step (%s: %s); using the %s backend instead.",

@@ -20,13 +20,18 @@ def _ordinal_pmf(seed=0):
     )
 
 
+def _python_and_jax_fits(model, n):
+    """``n`` iterations of the same fit with the Python and the JAX step: ``(ref, inf, got)``."""
+    with model:
+        ref = pymc_mcssvi.HMCSSVI(random_seed=1).fit(n=n, progressbar=False, backend="python")
+        inf = pymc_mcssvi.HMCSSVI(random_seed=1)
+        got = inf.fit(n=n, progressbar=False, backend="jax")
+    return ref, inf, got
+
+
 def test_jax_step_matches_the_python_step():
     """Same bound trace and q (stacked Cholesky/inverse dispatched to JAX)."""
-    model = _ordinal_pmf()
-    with model:
-        ref = pymc_mcssvi.HMCSSVI(random_seed=1).fit(n=6, progressbar=False, backend="python")
-        inf = pymc_mcssvi.HMCSSVI(random_seed=1)
-        got = inf.fit(n=6, progressbar=False, backend="jax")
+    ref, inf, got = _python_and_jax_fits(_ordinal_pmf(), n=6)
     assert inf.backend_used == "jax"
     np.testing.assert_allclose(got.hist, ref.hist, rtol=1e-9)
     np.testing.assert_allclose(got.mean.eval(), ref.mean.eval(), rtol=1e-7, atol=1e-9)
@@ -103,14 +108,10 @@ def _slopes_glmm(seed=0, J=20, N=120):
 def test_random_slope_glmm_runs_on_jax():
     """Static split positions (``unbatch_constant_split``): the step traces under JAX
     (a ``ConcretizationTypeError`` before) and gives the Python step's fit."""
-    model = _slopes_glmm()
-    with model:
-        ref = pymc_mcssvi.HMCSSVI(random_seed=1).fit(n=4, progressbar=False, backend="python")
-        inf = pymc_mcssvi.HMCSSVI(random_seed=1)
-        got = inf.fit(n=4, progressbar=False, backend="jax")
-        assert inf.backend_used == "jax"
-        np.testing.assert_allclose(got.hist, ref.hist, rtol=1e-10)
-        np.testing.assert_allclose(got.mean.eval(), ref.mean.eval(), rtol=1e-8, atol=1e-10)
+    ref, inf, got = _python_and_jax_fits(_slopes_glmm(), n=4)
+    assert inf.backend_used == "jax"
+    np.testing.assert_allclose(got.hist, ref.hist, rtol=1e-10)
+    np.testing.assert_allclose(got.mean.eval(), ref.mean.eval(), rtol=1e-8, atol=1e-10)
 
 
 def test_automatic_jax_falls_back_when_jax_cannot_trace_the_step(monkeypatch):

@@ -40,6 +40,7 @@ from pytensor.graph.rewriting.basic import node_rewriter
 from pytensor.tensor.basic import Split
 from pytensor.tensor.blockwise import Blockwise
 
+from pymc_mcssvi.algorithms.arrow import arrow_solve
 from pymc_mcssvi.algorithms.optimizers import Optimizer
 from pymc_mcssvi.families.gaussian import (
     GaussianBlocks,
@@ -228,6 +229,7 @@ def joint_newton_step(
     crosses,
     hessian_crosses=None,
     old_factors=None,
+    arrow=None,
     max_step=1.0,
 ):
     r"""One damped Newton step of q(h)'s mean with q(w) following it.
@@ -267,6 +269,10 @@ def joint_newton_step(
         ``B`` or ``None``.
     hessian_crosses, old_factors : lists over q(w)'s segments, optional
         Cross derivatives ``D`` (or ``None``) and the factors before the step.
+    arrow : Arrow, optional
+        q(w)'s curvature with its head-body cross blocks
+        (:mod:`~pymc_mcssvi.algorithms.arrow`): ``P_w^{-1} B`` is then the
+        arrow solve and every segment's mean follows ``h``.
     max_step : float
         Largest change of any coordinate of ``h``.
 
@@ -284,15 +290,23 @@ def joint_newton_step(
     """
     nseg = len(factors)
     hessian_crosses = hessian_crosses or [None] * nseg
-    S, rhs, move, U = P_h, g_h, 0.0, []
-    for L, g, B in zip(factors, grads, crosses, strict=True):
-        if B is None:
-            U.append(None)
+    S, rhs, move = P_h, g_h, 0.0
+    if arrow is not None and any(B is not None for B in crosses):
+        # q(w)'s curvature is the arrow: every segment responds (the head follows the body).
+        n_h = next(B for B in crosses if B is not None).type.shape[-1]
+        Bs = [
+            pt.zeros((g.shape[0], g.shape[1], n_h)) if B is None else B
+            for g, B in zip(grads, crosses, strict=True)
+        ]
+        U = arrow_solve(arrow, Bs)
+    else:
+        U = [None if B is None else cho_solve_columns(L, B) for L, B in zip(factors, crosses)]
+    for g, B, U_s in zip(grads, crosses, U, strict=True):
+        if U_s is None:
             continue
-        U_s = cho_solve_columns(L, B)
-        U.append(U_s)
-        axes = list(range(B.ndim - 1))
-        S = S - pt.tensordot(B, U_s, [axes, axes])
+        axes = list(range(U_s.ndim - 1))
+        if B is not None:
+            S = S - pt.tensordot(B, U_s, [axes, axes])
         rhs = rhs + pt.tensordot(U_s, g, [axes, list(range(g.ndim))])
     for L, L_old, D in zip(factors, old_factors or [None] * nseg, hessian_crosses, strict=True):
         if D is None:
@@ -453,12 +467,13 @@ class MeanFieldHyperparameters:
         Parameters
         ----------
         coupling : tuple, optional
-            ``(factors, grads, crosses, hessian_crosses, old_factors)`` of q(w)'s
+            ``(factors, grads, crosses, hessian_crosses, old_factors, arrow)`` of q(w)'s
             segments, the arguments of :func:`joint_newton_step`: the lower
             Cholesky factors of their new precisions, their (finite) gradients,
             the cross derivatives ``E[d g_s / d h]`` and ``E[d H_s / d h]`` of
-            the new base (``None`` for segments that do not depend on ``h``) and
-            the factors before the step. With it, q(h)'s mean takes the joint
+            the new base (``None`` for segments that do not depend on ``h``),
+            the factors before the step and the arrow of q(w)'s curvature (or
+            ``None``). With it, q(h)'s mean takes the joint
             Newton step and q(w) follows it; the precision of q(h) keeps its
             mean-field natural step.
 

@@ -24,6 +24,7 @@ import numpy as np
 import pytensor
 import pytensor.tensor as pt
 
+from pymc_mcssvi.algorithms.arrow import Arrow, arrow_solve, arrow_view, schur_factor
 from pymc_mcssvi.families.gaussian import GaussianBlocks, bmv, cholesky, precision
 
 __all__ = ["MAX_COUPLED_HYPERS", "StepKernel"]
@@ -110,6 +111,23 @@ class StepKernel:
                 for s, f in enumerate(init_factors)
             ]
             self.hypers.linear_response_state([np.shape(m) + (n_h,) for m in init_means])
+        # Arrow coupling of the head segment (fixed effects) with the others.
+        head = getattr(bound, "arrow_head", None)
+        self.arrow_head = (
+            head if (n_phases == 1 and algorithm.parameterization == "precision") else None
+        )
+        self.base_X, self.arrow_G, self.arrow_LS = [], [], None
+        if self.arrow_head is not None:
+            p = np.shape(init_means[head])[-1]
+            self.base_X = [
+                None if s == head else _shared(np.zeros(np.shape(m) + (p,)), f"base_X_{s}")
+                for s, m in enumerate(init_means)
+            ]
+            self.arrow_G = [
+                _shared(np.eye(p)[None] if s == head else np.zeros(np.shape(m) + (p,)), f"G_{s}")
+                for s, m in enumerate(init_means)
+            ]
+            self.arrow_LS = _shared(np.asarray(init_factors[head])[0], "arrow_schur_factor")
 
     @staticmethod
     def _shared_tree(tree, name):
@@ -147,6 +165,14 @@ class StepKernel:
         nph = len(ev.phase_values)
         outs = [ev.value, *ev.phase_values, *ev.grads, *ev.hessians]
         nv = 1 + nph
+        nx = 0
+        if self.arrow_head is not None:
+            xs = [
+                pt.zeros(b.type.shape) if (c is None and b is not None) else c
+                for c, b in zip(ev.crosses, self.base_X, strict=True)
+            ]
+            outs = outs + [x for x in xs if x is not None]
+            nx = len(outs) - nv - 2 * self.nseg
         haux = None
         if self.rayleighs is not None:
             outs = self.rayleighs.evaluate(outs, n_values=nv)
@@ -156,13 +182,15 @@ class StepKernel:
             outs, hfinite, haux = self.hypers.evaluate(outs, n_values=nv, **kw)
             finite = pt.isfinite(outs[0]) & hfinite
         value, phase_values = outs[0], pt.stack(outs[1:nv])
-        grads, hessians = outs[nv : nv + self.nseg], outs[nv + self.nseg :]
+        grads = outs[nv : nv + self.nseg]
+        hessians = outs[nv + self.nseg : nv + 2 * self.nseg]
+        xs = outs[nv + 2 * self.nseg :] if nx else []
         rgrads = None
         if self.rayleighs is not None:
             rgrads = self.rayleighs.gradients(value)
             for x in rgrads:
                 finite = finite & pt.isfinite(x)
-        for x in [*grads, *hessians]:
+        for x in [*grads, *hessians, *xs]:
             finite = finite & pt.all(pt.isfinite(x))
         finite = finite & pt.all(pt.isfinite(phase_values))
         if self.monotone:
@@ -189,6 +217,17 @@ class StepKernel:
         g_safe = [pt.switch(pt.isfinite(x), x, 0.0) for x in g]
         H_safe = [pt.switch(pt.isfinite(x), x, 0.0) for x in H]
         stepped, stepped_opt = alg.step(new_base, g_safe, H_safe, rho, scale, t, opt)
+        arrow_updates, arrow = {}, None
+        if self.arrow_head is not None:
+            X = iter([sel(xc, xb) for xc, xb in zip(xs, [b for b in self.base_X if b is not None], strict=True)])
+            X = [None if b is None else next(X) for b in self.base_X]
+            arrow_updates = {b: x for b, x in zip(self.base_X, X, strict=True) if b is not None}
+            Q = [None if x is None else -pt.switch(pt.isfinite(x), x, 0.0) for x in X]
+            # The arrow of the curvature -E[H] itself (not of q's precisions, which lag
+            # behind it while rho < 1 and need not form a positive definite arrow with Q).
+            curv = Arrow(self.arrow_head, [cholesky(-_sym(h)) for h in H_safe], Q)
+            stepped, arrow = self._arrow_mean_step(stepped, new_base, g_safe, curv, rho)
+            arrow_updates.update(self._arrow_view_updates(curv))
         if not self.monotone and self.algorithm.parameterization == "precision":
             stepped = [_trust_region(st, old) for st, old in zip(stepped, new_base, strict=True)]
         hyper_updates, cross_updates = {}, {}
@@ -209,6 +248,7 @@ class StepKernel:
                     crosses[: self.nseg],
                     crosses[self.nseg :],
                     [st.factor for st in new_base],
+                    arrow,
                 )
             hyper_updates, joint = self.hypers.updates(accept, rho, scale, t, haux, coupling)
             if joint is not None:
@@ -257,10 +297,50 @@ class StepKernel:
         updates[self.t] = t
         updates.update(hyper_updates)
         updates.update(cross_updates)
+        updates.update(arrow_updates)
         if self.rayleighs is not None:
             updates.update(self.rayleighs.updates(accept, rho, scale, t, rgrads))
         outputs = [new_bound, value, pt.cast(accept, "int8"), rho]
         return outputs, updates
+
+    def _arrow_mean_step(self, stepped, base, g, curv, rho):
+        """Damped Newton step of the means with the arrow curvature (head-body coupling kept).
+
+        The algorithms' natural mean step ``rho P_s^{-1} g_s`` is blockwise; with
+        the cross blocks of the expected Hessian it becomes ``rho C^{-1} g``
+        for the arrow ``C`` of ``-E[H]`` (:mod:`~pymc_mcssvi.algorithms.arrow`;
+        the same at ``rho = 1``, and the same fixed points, ``g = 0``). Only
+        for algorithms whose mean step is that natural step; where ``C`` is
+        not positive definite the blockwise step is kept.
+
+        Returns the new candidate states and ``curv`` (for the
+        hyperparameters' joint step), or ``None``.
+        """
+        if not self.algorithm.newton_mean:
+            return stepped, None
+        schur = schur_factor(curv)
+        delta = arrow_solve(curv, g, schur)
+        ok = pt.all(pt.isfinite(schur[0]))
+        for L in curv.factors:
+            ok = ok & pt.all(pt.isfinite(L))
+        for d in delta:
+            ok = ok & pt.all(pt.isfinite(d))
+        stepped = [
+            GaussianBlocks(pt.switch(ok, b.mean + rho * d, st.mean), st.factor)
+            for st, b, d in zip(stepped, base, delta, strict=True)
+        ]
+        return stepped, curv
+
+    def _arrow_view_updates(self, curv):
+        """``G`` and the Schur factor of the accepted state's curvature (kept if it is not PD)."""
+        G, L_S = arrow_view(curv)
+        ok = pt.all(pt.isfinite(L_S))
+        for x in G:
+            ok = ok & pt.all(pt.isfinite(x))
+        up = {self.arrow_LS: pt.switch(ok, L_S, self.arrow_LS)}
+        for sh, x in zip(self.arrow_G, G, strict=True):
+            up[sh] = pt.switch(ok, x, sh)
+        return up
 
     def reset_candidate(self):
         """Make the candidate equal to the base (used after a divergence)."""
@@ -271,6 +351,10 @@ class StepKernel:
             self.hypers.reset()
         if self.rayleighs is not None:
             self.rayleighs.reset()
+
+
+def _sym(x):
+    return 0.5 * (x + pt.matrix_transpose(x))
 
 
 def _shifted_factor(L, dP):

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import pytensor.tensor as pt
 
+from pymc_mcssvi.algorithms.arrow import ARROW_MAX_HEAD
 from pymc_mcssvi.estimators.bilinear import BilinearEstimator
 from pymc_mcssvi.estimators.general import GeneralEstimator
 from pymc_mcssvi.estimators.predictor import PredictorGeometry
@@ -39,6 +40,7 @@ class BoundEvaluation:
     expected_loglik: pt.TensorVariable
     entropy: pt.TensorVariable
     phase_values: list = None
+    crosses: list = None
 
 
 class StructuredBound:
@@ -95,6 +97,7 @@ class StructuredBound:
             seed=seed,
             row_subsample=row_subsample,
         )
+        self.arrow_head = _arrow_head(tlm, self.geometries)
 
     def work_estimate(self, local_factor: float = 1.0) -> float:
         """Rough number of floating-point operations of one iteration.
@@ -154,12 +157,18 @@ class StructuredBound:
             ``grads[s]`` is ``(R, K)`` and ``hessians[s]`` is ``(R, K, K)`` for
             segment ``s``: expected gradient and Hessian of the log joint
             (likelihood and Gaussian prior), with minibatch scaling applied.
+            With an :attr:`arrow_head`, ``crosses[s]`` is the ``(R, K, p)``
+            cross block of that Hessian between segment ``s`` and the head
+            (``None`` for the head and uncoupled segments; affine predictor
+            terms only).
         """
         tlm = self.tlm
         covs = [covariance(st, self.parameterization) for st in states]
         means = [st.mean for st in states]
         nseg = len(states)
         grads, hessians = [None] * nseg, [None] * nseg
+        crosses = [None] * nseg
+        head = self.arrow_head if (need_derivatives and need_hessian) else None
         expected = pt.constant(0.0)
         for term, geom in zip(tlm.predictor_terms, self.geometries, strict=True):
             designs = geom.prepare()
@@ -185,6 +194,8 @@ class StructuredBound:
                 grads, hessians = geom.accumulate(
                     alpha, beta if need_hessian else None, grads, hessians, designs
                 )
+                if head is not None:
+                    crosses = geom.accumulate_cross(beta, head, crosses, designs)
         T_gen, g_gen, H_gen = self.general.expectations(states, self.parameterization, need_hessian)
         expected = expected + T_gen
         if need_derivatives:
@@ -208,7 +219,9 @@ class StructuredBound:
             for h, st in zip(hessians, states, strict=True)
         ]
         if T_phase is None:
-            return BoundEvaluation(expected + ent, grads, hessians, expected, ent, [expected + ent])
+            return BoundEvaluation(
+                expected + ent, grads, hessians, expected, ent, [expected + ent], crosses
+            )
         phase = [expected + ent + T for T in T_phase]
         value = 0.5 * (phase[0] + phase[1])
         return BoundEvaluation(
@@ -222,6 +235,26 @@ class StructuredBound:
         if self.bilinear.active:
             return self.bilinear.phase_segments(nseg)
         return [set(range(nseg))]
+
+
+def _arrow_head(tlm, geometries):
+    """Segment index of the arrow's head, or ``None`` (see :mod:`~pymc_mcssvi.algorithms.arrow`).
+
+    The head is the one full segment (the fixed effects) when some predictor
+    term reads it together with a block or diagonal segment (random effects of
+    many groups). Matrix factorizations (their own phases) and heads above
+    :data:`~pymc_mcssvi.algorithms.arrow.ARROW_MAX_HEAD` dimensions are left
+    block diagonal.
+    """
+    full = [s for s, seg in enumerate(tlm.segments) if seg.kind == "full"]
+    if len(full) != 1 or tlm.bilinear_terms or tlm.segments[full[0]].dim > ARROW_MAX_HEAD:
+        return None
+    (head,) = full
+    for geom in geometries:
+        segs = {p.segment for p in geom.pieces if not p.mixed or p.segment == head}
+        if head in segs and len(segs) > 1:
+            return head
+    return None
 
 
 def _add(a, b):

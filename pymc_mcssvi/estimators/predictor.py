@@ -232,6 +232,41 @@ class PredictorGeometry:
                 hessians[p.segment] = H if hessians[p.segment] is None else hessians[p.segment] + H
         return grads, hessians
 
+    def accumulate_cross(self, beta, head, crosses, designs):
+        """Add ``sum_i beta_i a_{i,s} a_{i,head}^T`` for every segment ``s`` but ``head``.
+
+        These are the cross blocks ``(R_s, K_s, p)`` of the expected Hessian
+        between segment ``s`` and the head segment (the full block of the fixed
+        effects) that the block-diagonal ``H`` leaves out
+        (:mod:`pymc_mcssvi.algorithms.arrow`). Segments the term does not read
+        together with the head are left unchanged; ``crosses`` is updated and
+        returned.
+        """
+        heads = [p for p in self.pieces if p.segment == head]
+        if not heads or beta is None:
+            return crosses
+        (hp,) = heads
+        Ah = designs[id(hp)] if hp.dense_path else self.design(hp)  # (n, p)
+        Ahb = Ah * beta[:, None]
+        crosses = list(crosses)
+        n = self.n_rows
+        for p in self.pieces:
+            if p.segment == head:
+                continue
+            seg = self.segments[p.segment]
+            R, K, d = seg.rows, seg.k, self.segments[head].dim
+            if p.dense_path:
+                X = (designs[id(p)].T @ Ahb).reshape((R, K, d))
+            elif p.mixed:  # a second full segment: not an arrow
+                continue
+            else:
+                rows, cols, vals = _concat_sparse(p.sparse, n)
+                X = pt.zeros((R, K, d))
+                X = pt.inc_subtensor(X[rows, cols], vals[:, :, None] * Ahb[:, None, :])
+            s = p.segment
+            crosses[s] = X if crosses[s] is None else crosses[s] + X
+        return crosses
+
 
 def _constant_cols(t: LinearTerm):
     """Numeric column indices of a dense term, or None if they are data dependent."""

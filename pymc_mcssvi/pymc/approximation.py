@@ -34,6 +34,11 @@ class StructuredGaussianGroup(Group):
     the hyperparameter group's draws ``h``: ``w = m + A eps + U (h - mu_h)`` with
     ``U`` (``responses``, ``(R, K, n_h)`` per segment, ``None`` for none) the
     linear response of q(w)'s mean; ``std`` and ``cov`` include ``U cov(h) U^T``.
+    An optional ``arrow=(head, G, L_S)`` (see
+    :func:`~pymc_mcssvi.algorithms.arrow.arrow_view`) replaces q(w)'s
+    block-diagonal covariance by the inverse of the arrow precision that keeps
+    the head segment's coupling with the others (linear response for q(w)):
+    the head's own noise is replaced by ``G L_S^{-T} e_head``.
     """
 
     __param_spec__ = {"segment_means": ("d",), "segment_factors": ("d",)}
@@ -49,6 +54,7 @@ class StructuredGaussianGroup(Group):
         self.shared_means = kw["means"]
         self.shared_factors = kw["factors"]
         self.response = kw.get("response")
+        self.arrow = kw.get("arrow")
         self.shared_params = {
             **{m.name: m for m in self.shared_means},
             **{f.name: f for f in self.shared_factors},
@@ -73,6 +79,30 @@ class StructuredGaussianGroup(Group):
             out = pt.set_subtensor(out[idx.reshape(-1)], U.reshape((-1, n_h)))
         return out
 
+    def _arrow_matrix(self):
+        """``G`` of the arrow view as a dense ``(ddim, p)`` matrix in this group's flat order."""
+        _, G, L_S = self.arrow
+        p = L_S.type.shape[-1]
+        out = pt.zeros((self.ddim, p))
+        for G_s, idx in zip(G, self.flat_maps, strict=True):
+            out = pt.set_subtensor(out[idx.reshape(-1)], G_s.reshape((-1, p)))
+        return out
+
+    def _arrow_covariance(self):
+        """``G S^{-1} G^T`` factor: ``G L_S^{-T}`` as a dense ``(ddim, p)`` matrix."""
+        L_S = self.arrow[2]
+        # (G L_S^{-T})^T = L_S^{-1} G^T
+        return pt.linalg.solve_triangular(L_S, self._arrow_matrix().T, lower=True).T
+
+    def _own_states(self):
+        """``(state, flat_map)`` of the segments whose own blocks enter the covariance."""
+        head = None if self.arrow is None else self.arrow[0]
+        return [
+            (st, idx)
+            for s, (st, idx) in enumerate(zip(self._states(), self.flat_maps, strict=True))
+            if s != head
+        ]
+
     def _states(self):
         return [
             GaussianBlocks(m, f)
@@ -86,6 +116,11 @@ class StructuredGaussianGroup(Group):
         for st, idx, seg in zip(self._states(), self.flat_maps, self.segments, strict=True):
             e = eps[:, idx.reshape(-1)].reshape((eps.shape[0], seg.rows, seg.k))
             out = _scatter(out, idx, sample(st, self.parameterization, e))
+        if self.arrow is not None:
+            head = self.arrow[0]
+            idx, st = self.flat_maps[head], self._states()[head]
+            out = _scatter(out, idx, pt.broadcast_to(st.mean, (eps.shape[0], *st.mean.shape)))
+            out = out + eps[:, idx.reshape(-1)] @ self._arrow_covariance().T
         resp = self._responses()
         if resp is not None:
             hyper, pairs = resp
@@ -103,9 +138,12 @@ class StructuredGaussianGroup(Group):
     @node_property
     def cov(self):
         out = pt.zeros((self.ddim, self.ddim))
-        for st, idx in zip(self._states(), self.flat_maps, strict=True):
+        for st, idx in self._own_states():
             S = covariance(st, self.parameterization)
             out = pt.set_subtensor(out[idx[:, :, None], idx[:, None, :]], S)
+        if self.arrow is not None:
+            A = self._arrow_covariance()
+            out = out + A @ A.T
         resp = self._responses()
         if resp is not None:
             U = self._response_matrix(*resp)
@@ -115,9 +153,11 @@ class StructuredGaussianGroup(Group):
     @node_property
     def std(self):
         out = pt.zeros((self.ddim,))
-        for st, idx in zip(self._states(), self.flat_maps, strict=True):
+        for st, idx in self._own_states():
             S = covariance(st, self.parameterization)
             out = _scatter(out, idx, pt.diagonal(S, axis1=-2, axis2=-1))
+        if self.arrow is not None:
+            out = out + pt.sum(self._arrow_covariance() ** 2, axis=-1)
         resp = self._responses()
         if resp is not None:
             U = self._response_matrix(*resp)

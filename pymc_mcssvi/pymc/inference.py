@@ -601,6 +601,11 @@ class StructuredVI(Inference):
                 means=k.base_mean,
                 factors=k.base_factor,
                 response=response,
+                arrow=(
+                    (k.arrow_head, k.arrow_G, k.arrow_LS)
+                    if (self.linear_response and k.arrow_head is not None)
+                    else None
+                ),
             )
         ]
         if hyper_group is not None:

@@ -177,7 +177,11 @@ GALLERY = [
         "The effects are gathered by the grouping index; above 1000 Gaussian "
         "dimensions the intercept and slope of each group share a 2 x 2 block "
         "(row-block covariance), the fixed effects keep a full one, and the "
-        "group-level scales are hyperparameters.",
+        "group-level scales are hyperparameters. The fixed effects and the group "
+        "blocks stay coupled through the curvature (the note under the tables): "
+        "the steps and the returned draws use the arrow-shaped precision with "
+        "their cross blocks, so the fixed effects' posterior sds are not those "
+        "of independent blocks.",
     ),
     (
         gallery_gme,

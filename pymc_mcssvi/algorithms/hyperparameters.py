@@ -300,7 +300,10 @@ def joint_newton_step(
         ]
         U = arrow_solve(arrow, Bs)
     else:
-        U = [None if B is None else cho_solve_columns(L, B) for L, B in zip(factors, crosses)]
+        U = [
+            None if B is None else cho_solve_columns(L, B)
+            for L, B in zip(factors, crosses, strict=True)
+        ]
     for g, B, U_s in zip(grads, crosses, U, strict=True):
         if U_s is None:
             continue

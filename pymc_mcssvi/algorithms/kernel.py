@@ -219,7 +219,12 @@ class StepKernel:
         stepped, stepped_opt = alg.step(new_base, g_safe, H_safe, rho, scale, t, opt)
         arrow_updates, arrow = {}, None
         if self.arrow_head is not None:
-            X = iter([sel(xc, xb) for xc, xb in zip(xs, [b for b in self.base_X if b is not None], strict=True)])
+            X = iter(
+                [
+                    sel(xc, xb)
+                    for xc, xb in zip(xs, [b for b in self.base_X if b is not None], strict=True)
+                ]
+            )
             X = [None if b is None else next(X) for b in self.base_X]
             arrow_updates = {b: x for b, x in zip(self.base_X, X, strict=True) if b is not None}
             Q = [None if x is None else -pt.switch(pt.isfinite(x), x, 0.0) for x in X]

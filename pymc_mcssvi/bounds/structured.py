@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import pytensor.tensor as pt
 
-from pymc_mcssvi.algorithms.arrow import ARROW_MAX_HEAD
+from pymc_mcssvi.algorithms.arrow import arrow_head
 from pymc_mcssvi.estimators.bilinear import BilinearEstimator
 from pymc_mcssvi.estimators.general import GeneralEstimator
 from pymc_mcssvi.estimators.predictor import PredictorGeometry
@@ -97,7 +97,7 @@ class StructuredBound:
             seed=seed,
             row_subsample=row_subsample,
         )
-        self.arrow_head = _arrow_head(tlm, self.geometries)
+        self.arrow_head = arrow_head(tlm)
 
     def work_estimate(self, local_factor: float = 1.0) -> float:
         """Rough number of floating-point operations of one iteration.
@@ -235,26 +235,6 @@ class StructuredBound:
         if self.bilinear.active:
             return self.bilinear.phase_segments(nseg)
         return [set(range(nseg))]
-
-
-def _arrow_head(tlm, geometries):
-    """Segment index of the arrow's head, or ``None`` (see :mod:`~pymc_mcssvi.algorithms.arrow`).
-
-    The head is the one full segment (the fixed effects) when some predictor
-    term reads it together with a block or diagonal segment (random effects of
-    many groups). Matrix factorizations (their own phases) and heads above
-    :data:`~pymc_mcssvi.algorithms.arrow.ARROW_MAX_HEAD` dimensions are left
-    block diagonal.
-    """
-    full = [s for s, seg in enumerate(tlm.segments) if seg.kind == "full"]
-    if len(full) != 1 or tlm.bilinear_terms or tlm.segments[full[0]].dim > ARROW_MAX_HEAD:
-        return None
-    (head,) = full
-    for geom in geometries:
-        segs = {p.segment for p in geom.pieces if not p.mixed or p.segment == head}
-        if head in segs and len(segs) > 1:
-            return head
-    return None
 
 
 def _add(a, b):

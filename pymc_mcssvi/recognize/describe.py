@@ -154,6 +154,7 @@ def describe(model: pm.Model | None = None, cov=None, *, show: bool = False) -> 
     >>> d.role("a"), d.role("sd"), d.predictor("y")
     ('gaussian global', 'hyperparameter', 'dense affine + gather')
     """
+    from pymc_mcssvi.algorithms.arrow import arrow_head
     from pymc_mcssvi.recognize.model import recognize
 
     model = pm.modelcontext(model)
@@ -239,7 +240,16 @@ def describe(model: pm.Model | None = None, cov=None, *, show: bool = False) -> 
                 scaling=tlm.scaling.get(obs.name, "1"),
             )
         )
-    desc = ModelDescription(rows, obs_rows, list(tlm.notes), seconds, tlm)
+    notes = list(tlm.notes)
+    head = arrow_head(tlm)
+    if head is not None:
+        names = lambda segs: ", ".join(tlm.gaussians[j].name for s in segs for j in s.members)  # noqa: E731
+        body = [seg for s, seg in enumerate(tlm.segments) if s != head]
+        notes.append(
+            f"q's segments are independent, but the steps (and, with linear_response, the draws) keep the "
+            f"coupling of {names([tlm.segments[head]])} with {names(body)} (arrow curvature)"
+        )
+    desc = ModelDescription(rows, obs_rows, notes, seconds, tlm)
     if show:
         print(desc)
     return desc

@@ -49,11 +49,15 @@ def test_arrow_solve_and_view_match_dense_algebra(rng):
     dim = P.shape[0]
     r = rng.normal(size=dim)
     offs = np.cumsum([0] + [a * b for a, b in shapes])
-    rhs = [pt.as_tensor(r[o : o + a * b].reshape(a, b)) for (a, b), o in zip(shapes, offs, strict=False)]
+    rhs = [
+        pt.as_tensor(r[o : o + a * b].reshape(a, b))
+        for (a, b), o in zip(shapes, offs, strict=False)
+    ]
     np.testing.assert_allclose(_flat(arrow_solve(arrow, rhs)), np.linalg.solve(P, r), rtol=1e-10)
     R = rng.normal(size=(dim, 4))  # several right-hand sides (the hyperparameters' columns)
     rhs = [
-        pt.as_tensor(R[o : o + a * b].reshape(a, b, 4)) for (a, b), o in zip(shapes, offs, strict=False)
+        pt.as_tensor(R[o : o + a * b].reshape(a, b, 4))
+        for (a, b), o in zip(shapes, offs, strict=False)
     ]
     np.testing.assert_allclose(_flat(arrow_solve(arrow, rhs)), np.linalg.solve(P, R), rtol=1e-10)
     # inverse = blockdiag(body blocks)^-1 + G S^-1 G^T
@@ -92,7 +96,10 @@ def test_conjugate_model_with_diagonal_effects_is_exact(rng):
         approx = inf.fit(progressbar=False)
     assert approx.n_iter <= 6
     idx = np.concatenate(
-        [np.arange(approx.ordering[v][1].start, approx.ordering[v][1].stop) for v in ("b0", "b1", "a")]
+        [
+            np.arange(approx.ordering[v][1].start, approx.ordering[v][1].stop)
+            for v in ("b0", "b1", "a")
+        ]
     )
     np.testing.assert_allclose(np.asarray(approx.mean.eval())[idx], mean, atol=1e-8)
     np.testing.assert_allclose(np.asarray(approx.cov.eval())[np.ix_(idx, idx)], cov, atol=1e-8)
@@ -121,7 +128,7 @@ def test_cross_hessian_matches_finite_differences(rng):
         inf = pymc_mcssvi.HMCSSVI(cov={"a": "block", "c": "block"}, random_seed=0)
     k = inf.kernel
     assert [s.kind for s in inf.tlm.segments] == ["full", "block"]
-    for s, mu in enumerate(k.cand_mean):
+    for mu in k.cand_mean:
         mu.set_value(mu.get_value() + 0.1 * rng.normal(size=mu.get_value().shape))
     cand = [GaussianBlocks(mu, f) for mu, f in zip(k.cand_mean, k.cand_factor, strict=True)]
     ev = k.bound.evaluate(cand)

@@ -247,6 +247,7 @@ ZOO: dict[str, dict] = {
                 "a": "block 600 x (2 x 2) with b",
                 "b": "block 600 x (2 x 2) with a",
             },
+            notes=["keep the coupling of beta with a, b (arrow curvature)"],
         ),
     ),
     "crossed_effects": dict(

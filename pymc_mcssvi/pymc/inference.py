@@ -815,6 +815,9 @@ class StructuredVI(Inference):
         start_iter = len(self.hist)
         with (
             self._blas_limits(blas_threads),
+            # Non-finite candidates are rejected by the step itself (and a run of them
+            # raises DivergenceError): NumPy's floating-point warnings are noise here.
+            np.errstate(all="ignore"),
             CustomProgress(
                 *Progress.get_default_columns(),
                 TextColumn("{task.fields[loss]}"),

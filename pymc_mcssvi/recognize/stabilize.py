@@ -20,7 +20,12 @@ as differences of cumulative probabilities before taking the log:
   derivatives are ``0 / 0`` once ``exp(x)`` underflows (``x < -745``) and
   ``inf / inf`` once ``exp(exp(x))`` overflows (``x > 6.6``); it becomes a
   three-piece form with finite derivatives of every order
-  (:func:`log1mexp_negexp`).
+  (:func:`log1mexp_negexp`);
+* censored survival times (``pm.Censored`` of an exponential or Weibull
+  distribution): the log cdf ``log1mexp(-y)`` with ``y = c exp(f)`` or
+  ``(c / exp(f))^a`` becomes ``log1mexp_negexp(log y)`` with ``log y`` formed
+  without the round trip, and the log survival function, which PyMC writes as
+  the double complement ``log1mexp(log1mexp(-y))``, becomes ``-exp(log y)``.
 """
 
 from __future__ import annotations
@@ -157,15 +162,120 @@ def _negated_exp(v):
     return None
 
 
+def _positive_constant(v):
+    """The value of a constant whose entries are all positive, else ``None``."""
+    while v.owner is not None and isinstance(v.owner.op, DimShuffle):
+        v = v.owner.inputs[0]
+    if isinstance(v, Constant):
+        data = np.asarray(v.data, dtype="float64")
+        if data.size and np.all(data > 0) and np.all(np.isfinite(data)):
+            return data
+    return None
+
+
+def _log_of_positive(y, depth=0):
+    """``log(y)`` as a graph without ``exp``/``log`` round trips, for ``y`` built from
+    ``exp(x)``, positive constants, products, quotients and powers; else ``None``.
+
+    The survival and cumulative probabilities of the exponential and Weibull
+    distributions are ``exp(-y)`` with ``y = c exp(x)`` or ``(c / exp(x))^a``.
+    """
+    if depth > 8 or y.owner is None:
+        c = _positive_constant(y)
+        return None if c is None else pt.as_tensor(np.log(c))
+    op = y.owner.op
+    ins = y.owner.inputs
+    if op == exp:
+        return ins[0]
+    if isinstance(op, DimShuffle):
+        inner = _log_of_positive(ins[0], depth + 1)
+        return None if inner is None else op(inner) if inner.ndim == ins[0].ndim else None
+    c = _positive_constant(y)
+    if c is not None:
+        return pt.as_tensor(np.log(c))
+    if op == mul:
+        parts = [_log_of_positive(v, depth + 1) for v in ins]
+        return None if any(p is None for p in parts) else sum(parts[1:], parts[0])
+    if op == pt.true_div:
+        a, b = (_log_of_positive(v, depth + 1) for v in ins)
+        return None if a is None or b is None else a - b
+    if op == pt.pow:  # log(b^a) = a log(b) for b > 0, whatever a (a Weibull shape)
+        base, power = ins
+        lb = _log_of_positive(base, depth + 1)
+        return None if lb is None else power * lb
+    return None
+
+
+def _negated(v):
+    """``y`` for ``v = -y`` (``neg``, or a product with constants that are all negative)."""
+    if v.owner is None:
+        return None
+    if v.owner.op == neg:
+        return v.owner.inputs[0]
+    if v.owner.op == mul:
+        for i, c in enumerate(v.owner.inputs):
+            data = None
+            w = c
+            while w.owner is not None and isinstance(w.owner.op, DimShuffle):
+                w = w.owner.inputs[0]
+            if isinstance(w, Constant):
+                data = np.asarray(w.data, dtype="float64")
+            if data is not None and data.size and np.all(data < 0):
+                rest = [x for j, x in enumerate(v.owner.inputs) if j != i]
+                return mul(_negated_constant(c), *rest) if rest else None
+    return None
+
+
+def _negated_constant(c):
+    """``-c`` for a constant (possibly behind DimShuffles), as a constant with the same layout."""
+    if c.owner is not None and isinstance(c.owner.op, DimShuffle):
+        return c.owner.op(_negated_constant(c.owner.inputs[0]))
+    return pt.constant(-np.asarray(c.data), dtype=c.dtype)
+
+
 @node_rewriter([Elemwise])
 def _log1mexp_of_negexp(fgraph, node):
-    """``log1mexp(-exp(x)) -> log1mexp_negexp(x)`` (complementary log-log links)."""
+    """``log1mexp(-exp(x)) -> log1mexp_negexp(x)`` (complementary log-log links), and
+    ``log1mexp(-y) -> log1mexp_negexp(log y)`` for the ``y`` of :func:`_log_of_positive`
+    (``c exp(x)``: the cumulative probability of an exponential survival time, left
+    censoring; ``(c / exp(x))^a``: Weibull)."""
     if not isinstance(node.op.scalar_op, ps_math.Log1mexp):
         return None
     x = _negated_exp(node.inputs[0])
     if x is None:
+        y = _negated(node.inputs[0])
+        x = None if y is None else _log_of_positive(y)
+    if x is None:
         return None
-    return [log1mexp_negexp(x)]
+    out = log1mexp_negexp(x)
+    if out.type.broadcastable != node.outputs[0].type.broadcastable:
+        out = pt.broadcast_to(out, node.outputs[0].shape)
+    return [out]
+
+
+@node_rewriter([Elemwise])
+def _log1mexp_of_log1mexp(fgraph, node):
+    """``log1mexp(log1mexp(u)) -> u``: the log survival function PyMC writes for a
+    right-censored observation, ``log(1 - exp(logcdf))`` with ``logcdf = log1mexp(u)``
+    (exponential: ``u = -c exp(x)``). ``1 - (1 - e^u) = e^u``; the double complement
+    rounds to ``log(0)`` once ``e^u`` underflows."""
+    if not isinstance(node.op.scalar_op, ps_math.Log1mexp):
+        return None
+    (arg,) = node.inputs
+    if (
+        arg.owner is None
+        or not isinstance(arg.owner.op, Elemwise)
+        or not isinstance(arg.owner.op.scalar_op, ps_math.Log1mexp)
+    ):
+        return None
+    u = arg.owner.inputs[0]
+    y = _negated(u)
+    log_y = None if y is None else _log_of_positive(y)
+    if log_y is not None:  # u = -exp(log y): no overflowing intermediate (Weibull's (c / e^x)^a)
+        u = -pt.exp(log_y)
+    if u.type.broadcastable != node.outputs[0].type.broadcastable:
+        u = pt.broadcast_to(u, node.outputs[0].shape)
+    return [u]
 
 
 @node_rewriter([Elemwise])
@@ -404,6 +514,7 @@ def stable_logp(logp):
         clone=True,
     )
     logp = rewrite_graph(logp, include=("canonicalize", "stabilize"))
+    logp = rewrite_graph(logp, include=(), custom_rewrite=in2out(_log1mexp_of_log1mexp), clone=True)
     return rewrite_graph(
         logp,
         include=(),

@@ -96,6 +96,14 @@ LIKELIHOODS = {
     "gamma": lambda eta, y: pm.Gamma(
         "y", mu=pm.math.exp(eta), sigma=0.5 * pm.math.exp(eta), observed=y
     ),
+    # survival times with censoring (pm.Censored; both stopped at the start before the
+    # stable forms of log1mexp(log1mexp(u)) and log1mexp(-c exp(f)))
+    "weibull_right_censored": lambda eta, y: pm.Censored(
+        "y", pm.Weibull.dist(alpha=1.5, beta=pm.math.exp(eta)), lower=None, upper=2.0, observed=y
+    ),
+    "exponential_left_censored": lambda eta, y: pm.Censored(
+        "y", pm.Exponential.dist(lam=pm.math.exp(eta)), lower=0.3, upper=None, observed=y
+    ),
 }
 
 
@@ -113,6 +121,10 @@ def _simulate(name, eta, rng):
     if name == "negbinomial":
         mu = np.exp(eta)
         return rng.negative_binomial(3.0, 3.0 / (3.0 + mu))
+    if name == "weibull_right_censored":
+        return np.minimum(np.exp(eta) * rng.weibull(1.5, eta.size), 2.0)
+    if name == "exponential_left_censored":
+        return np.maximum(rng.exponential(np.exp(-eta)), 0.3)
     mu = np.exp(eta)
     return rng.gamma(4.0, mu / 4.0)
 

@@ -16,6 +16,22 @@ def test_no_gaussian_global():
             pm.fit(method="hmcssvi")
 
 
+@pytest.mark.parametrize("kind", ["random_walk", "ar"])
+def test_latent_time_series_is_a_named_error(kind):
+    """A GaussianRandomWalk or AR latent would be left to the mean-field hyperparameters
+    (posterior sds 0.07-0.2 of NUTS's); the error names it and says how to rewrite it."""
+    y = np.cumsum(np.random.default_rng(0).normal(0, 0.1, 30))
+    with pm.Model():
+        b0 = pm.Normal("b0", 0, 5)
+        if kind == "random_walk":
+            x = pm.GaussianRandomWalk("x", sigma=0.1, init_dist=pm.Normal.dist(0, 1), shape=30)
+        else:
+            x = pm.AR("x", rho=[0.8], sigma=0.1, init_dist=pm.Normal.dist(0, 1), shape=30)
+        pm.Normal("y", b0 + x, 0.5, observed=y)
+        with pytest.raises(UnsupportedModelError, match="'x'.*latent time series.*cumsum"):
+            pm.fit(method="hmcssvi", progressbar=False)
+
+
 def test_nan_in_predictor_data():
     X = np.ones((3, 2))
     X[1, 0] = np.nan

@@ -15,6 +15,7 @@ import pytensor.tensor as pt
 from pymc.variational.opvi import Approximation, Group, node_property
 from xarray import DataArray, Dataset
 
+from pymc_mcssvi.algorithms.marginal import table_transform
 from pymc_mcssvi.families.gaussian import GaussianBlocks, covariance, sample
 
 __all__ = ["PointGroup", "StructuredApproximation", "StructuredGaussianGroup"]
@@ -39,6 +40,10 @@ class StructuredGaussianGroup(Group):
     block-diagonal covariance by the inverse of the arrow precision that keeps
     the head segment's coupling with the others (linear response for q(w)):
     the head's own noise is replaced by ``G L_S^{-T} e_head``.
+    An optional ``marginal=(on, V, s, T, shift, cov)`` (shared variables, see
+    :mod:`~pymc_mcssvi.algorithms.marginal`) replaces the Gaussian by the
+    skewed axis marginal while ``on`` is 1; ``center`` stays the Gaussian's
+    mean (the point other groups' linear responses are taken at).
     """
 
     __param_spec__ = {"segment_means": ("d",), "segment_factors": ("d",)}
@@ -55,6 +60,7 @@ class StructuredGaussianGroup(Group):
         self.shared_factors = kw["factors"]
         self.response = kw.get("response")
         self.arrow = kw.get("arrow")
+        self.marginal = kw.get("marginal")
         self.shared_params = {
             **{m.name: m for m in self.shared_means},
             **{f.name: f for f in self.shared_factors},
@@ -124,16 +130,28 @@ class StructuredGaussianGroup(Group):
         resp = self._responses()
         if resp is not None:
             hyper, pairs = resp
-            h = hyper.symbolic_random - hyper.mean[None, :]
+            h = hyper.symbolic_random - hyper.center[None, :]
             out = out + h @ self._response_matrix(hyper, pairs).T
+        if self.marginal is not None:
+            on, V, s, T, _, _ = self.marginal
+            skewed = self.center[None, :] + (s * table_transform(eps, T)) @ V.T
+            out = pt.switch(pt.eq(on, 1), skewed, out)
         return out
 
     @node_property
-    def mean(self):
+    def center(self):
+        """Mean of the Gaussian q (the expansion point of linear responses)."""
         out = pt.zeros((self.ddim,))
         for st, idx in zip(self._states(), self.flat_maps, strict=True):
             out = _scatter(out, idx, st.mean)
         return out
+
+    @node_property
+    def mean(self):
+        if self.marginal is None:
+            return self.center
+        on, _, _, _, shift, _ = self.marginal
+        return self.center + pt.switch(pt.eq(on, 1), shift, 0.0)
 
     @node_property
     def cov(self):
@@ -148,6 +166,9 @@ class StructuredGaussianGroup(Group):
         if resp is not None:
             U = self._response_matrix(*resp)
             out = out + U @ resp[0].cov @ U.T
+        if self.marginal is not None:
+            on, *_, cov = self.marginal
+            out = pt.switch(pt.eq(on, 1), cov, out)
         return out
 
     @node_property
@@ -162,6 +183,9 @@ class StructuredGaussianGroup(Group):
         if resp is not None:
             U = self._response_matrix(*resp)
             out = out + pt.sum((U @ resp[0].cov) * U, axis=-1)
+        if self.marginal is not None:
+            on, *_, cov = self.marginal
+            out = pt.switch(pt.eq(on, 1), pt.diagonal(cov), out)
         return pt.sqrt(out)
 
     def cross_cov(self, other):

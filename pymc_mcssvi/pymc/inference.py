@@ -39,6 +39,13 @@ from pymc_mcssvi.algorithms.hyperparameters import (
     unbatch_constant_split,
 )
 from pymc_mcssvi.algorithms.kernel import StepKernel
+from pymc_mcssvi.algorithms.marginal import (
+    AXIS_POINTS,
+    EPS_GRID,
+    MAX_CORRECTED_HYPERS,
+    axis_marginal,
+    profile_graph,
+)
 from pymc_mcssvi.algorithms.mcssvi import MCSSVIStep
 from pymc_mcssvi.algorithms.optimizers import make_optimizer
 from pymc_mcssvi.algorithms.rayleigh import RayleighGlobals
@@ -358,6 +365,17 @@ class StructuredVI(Inference):
         against NUTS on three GLMMs (docs/benchmarks.md), the scales' posterior
         sds go from 0.09-0.54 of NUTS's to 0.93-1.35. Applies when the
         hyperparameter step is coupled (MC-SSVI and H-MC-SSVI in full batch).
+    hyper_marginal : {"profile", "gaussian"}
+        With the linear-response view and at most 4 hyperparameter
+        coordinates, ``"profile"`` (default) replaces the Gaussian q(h) by a
+        skewed one after the fit: the bound with q(w) re-fitted is evaluated
+        along each principal axis of q(h) (INLA-style, 33 points for 4
+        coordinates, one compiled function), and its 1-D profiles become the
+        axes' marginals (:mod:`pymc_mcssvi.algorithms.marginal`). Group-level
+        scales are skewed in log space, and the Gaussian put their posterior
+        means 25-32% above NUTS's on the centered GLMM benchmarks. Kept
+        Gaussian where the profile disagrees with the linear response's
+        curvature. ``"gaussian"`` skips it.
     """
 
     algorithm_cls = MCSSVIStep
@@ -391,9 +409,16 @@ class StructuredVI(Inference):
         bilinear_draws="sigma",
         row_subsample=None,
         linear_response=True,
+        hyper_marginal="profile",
     ):
         self.model = pm.modelcontext(model)
         self.linear_response = bool(linear_response)
+        if hyper_marginal not in ("profile", "gaussian"):
+            raise ValueError(
+                f"hyper_marginal must be 'profile' or 'gaussian', got {hyper_marginal!r}"
+            )
+        self.hyper_marginal = hyper_marginal
+        self._profile_fn = None
         self.random_seed = random_seed
         if hyper not in (None, "point", "meanfield"):
             raise ValueError(f"hyper must be 'point' or 'meanfield', got {hyper!r}")
@@ -580,6 +605,16 @@ class StructuredVI(Inference):
             n = k.hypers.spec.size
             seg = Segment("full", 1, n, [0])
             lr = self.linear_response and k.coupled
+            self._marginal = None
+            if lr and self.hyper_marginal == "profile" and n <= MAX_CORRECTED_HYPERS:
+                self._marginal = (
+                    pytensor.shared(np.int8(0), name="hyper_marginal_on"),
+                    pytensor.shared(np.eye(n), name="hyper_marginal_axes"),
+                    pytensor.shared(np.ones(n), name="hyper_marginal_scales"),
+                    pytensor.shared(np.tile(EPS_GRID, (n, 1)), name="hyper_marginal_table"),
+                    pytensor.shared(np.zeros(n), name="hyper_marginal_shift"),
+                    pytensor.shared(np.eye(n), name="hyper_marginal_cov"),
+                )
             hyper_group = StructuredGaussianGroup(
                 [h.rv for h in tlm.hypers],
                 model=self.model,
@@ -588,6 +623,7 @@ class StructuredVI(Inference):
                 parameterization="precision",
                 means=[k.hypers.base_mean],
                 factors=[k.hypers.lr_factor if lr else k.hypers.base_factor],
+                marginal=self._marginal,
             )
             if lr:
                 response = (hyper_group, k.hypers.lr_responses)
@@ -866,11 +902,60 @@ class StructuredVI(Inference):
             )
         self.state = i
         self._warn_collapsed_scales()
+        if getattr(self, "_marginal", None) is not None:
+            self._fit_hyper_marginal()
         if self.tlm.locals:
             with pytensor.config.change_flags(mode=HELPER_MODE):
                 local_posteriors(self.model, self.approx, self.tlm.locals, self._local_params)
             self.approx.marginal_locals = [lc.name for lc in self.tlm.locals]
         return self.approx
+
+    def _fit_hyper_marginal(self):
+        """Replace the linear-response q(h) by its skewed axis marginal where trusted.
+
+        See :mod:`pymc_mcssvi.algorithms.marginal`. The profile function is
+        compiled once per fit object; any failure (a backend that cannot run
+        it, non-finite values, a profile that disagrees with the linear
+        response's curvature) keeps the Gaussian, logged at INFO.
+        """
+        hyp = self.kernel.hypers
+        on, V_sh, s_sh, T_sh, shift_sh, cov_sh = self._marginal
+        on.set_value(np.int8(0))
+        L = hyp.lr_factor.get_value()[0]
+        try:
+            cov = np.linalg.inv(L @ L.T)
+            lam, V = np.linalg.eigh(0.5 * (cov + cov.T))
+            if not np.all(np.isfinite(lam)) or np.any(lam <= 0):
+                raise np.linalg.LinAlgError("q(h) covariance is not positive definite")
+            s = np.sqrt(lam)
+            if self._profile_fn is None:
+                point = pt.vector("profile_point", shape=(hyp.spec.size,))
+                with pytensor.config.change_flags(mode=HELPER_MODE), warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    graph = profile_graph(self.kernel, point)
+                    ck = (
+                        {"mode": python_step_mode()}
+                        if self.backend_used in (None, "python", "custom")
+                        else resolve_backend_compile_kwargs(self.backend_used, {})
+                    )
+                    self._profile_fn = pm_compile([point], graph, **ck)
+            mu = hyp.base_mean.get_value()[0]
+            pts = [mu] + [mu + z * s[j] * V[:, j] for j in range(len(s)) for z in AXIS_POINTS]
+            with np.errstate(all="ignore"), self._blas_limits(None):
+                values = np.array([float(self._profile_fn(p)) for p in pts])
+        except Exception as err:  # the Gaussian q(h) stays
+            logger.info("Skewed q(h) not computed (%s: %s)", type(err).__name__, err)
+            return
+        am = axis_marginal(values, V, s)
+        if am is None:
+            logger.info("Skewed q(h) not used: the profile disagrees with the linear response")
+            return
+        V_sh.set_value(am.directions)
+        s_sh.set_value(am.scales)
+        T_sh.set_value(am.table)
+        shift_sh.set_value(am.mean_shift)
+        cov_sh.set_value(am.cov)
+        on.set_value(np.int8(1))
 
     def _warn_collapsed_scales(self):
         """Warn when a log-transformed hyperparameter's estimate ran off towards 0."""

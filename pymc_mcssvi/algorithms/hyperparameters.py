@@ -298,7 +298,11 @@ def joint_newton_step(
             pt.zeros((g.shape[0], g.shape[1], n_h)) if B is None else B
             for g, B in zip(grads, crosses, strict=True)
         ]
-        U = arrow_solve(arrow, Bs)
+        U_arrow = arrow_solve(arrow, Bs)
+        U_block = [cho_solve_columns(L, B) for L, B in zip(factors, Bs, strict=True)]
+        # A curvature that is not positive definite (NaN) leaves q's own blocks.
+        ok = pt.all([pt.all(pt.isfinite(u)) for u in U_arrow])
+        U = [pt.switch(ok, a, b) for a, b in zip(U_arrow, U_block, strict=True)]
     else:
         U = [
             None if B is None else cho_solve_columns(L, B)

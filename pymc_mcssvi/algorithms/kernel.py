@@ -232,7 +232,7 @@ class StepKernel:
             # behind it while rho < 1 and need not form a positive definite arrow with Q).
             curv = Arrow(self.arrow_head, [cholesky(-_sym(h)) for h in H_safe], Q)
             stepped, arrow = self._arrow_mean_step(stepped, new_base, g_safe, curv, rho)
-            arrow_updates.update(self._arrow_view_updates(curv))
+            arrow_updates.update(self._arrow_view_updates(curv, new_base[self.arrow_head].factor))
         if not self.monotone and self.algorithm.parameterization == "precision":
             stepped = [_trust_region(st, old) for st, old in zip(stepped, new_base, strict=True)]
         hyper_updates, cross_updates = {}, {}
@@ -336,15 +336,21 @@ class StepKernel:
         ]
         return stepped, curv
 
-    def _arrow_view_updates(self, curv):
-        """``G`` and the Schur factor of the accepted state's curvature (kept if it is not PD)."""
+    def _arrow_view_updates(self, curv, head_factor):
+        """``G`` and the Schur factor of the accepted state's curvature.
+
+        Where the curvature is not positive definite (a likelihood that is not
+        log-concave) the view is q's own block-diagonal covariance: ``G`` the
+        identity on the head and zero elsewhere, ``L_S`` the head's factor.
+        """
         G, L_S = arrow_view(curv)
         ok = pt.all(pt.isfinite(L_S))
         for x in G:
             ok = ok & pt.all(pt.isfinite(x))
-        up = {self.arrow_LS: pt.switch(ok, L_S, self.arrow_LS)}
-        for sh, x in zip(self.arrow_G, G, strict=True):
-            up[sh] = pt.switch(ok, x, sh)
+        up = {self.arrow_LS: pt.switch(ok, L_S, head_factor[0])}
+        for s, (sh, x) in enumerate(zip(self.arrow_G, G, strict=True)):
+            plain = x if s == self.arrow_head else pt.zeros_like(x)  # the head's G is I
+            up[sh] = pt.switch(ok, x, plain)
         return up
 
     def reset_candidate(self):

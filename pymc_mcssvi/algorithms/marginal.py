@@ -25,7 +25,6 @@ from typing import NamedTuple
 
 import numpy as np
 import pytensor.tensor as pt
-from pytensor.graph.replace import graph_replace
 from scipy.interpolate import PchipInterpolator
 from scipy.special import ndtr
 
@@ -78,27 +77,27 @@ class AxisMarginal(NamedTuple):
     log_density: np.ndarray
 
 
-def profile_graph(kernel, h):
-    """Profile ``max_{q(w)} bound(q(w), h)`` at the point ``h`` (a symbolic vector).
+def profile_graph(kernel):
+    """Profile ``max_{q(w)} bound(q(w), h)`` as a graph of the hyperparameters' value variables.
 
     q(w) at ``h`` starts from the linear response of the fitted q(w),
     ``m + U (h - mu)``, and takes one natural step with ``rho = 1``; the bound
-    is evaluated there (no q(h) entropy: ``h`` is a point).
+    is evaluated there (no q(h) entropy: ``h`` is a point). Returns
+    ``(inputs, value)`` with ``inputs`` the model's value variables of the
+    hyperparameters (no graph replacement: cloning the bound's graph costs more
+    than building it).
     """
     hyp = kernel.hypers
     spec = hyp.spec
-    rep = spec.replacements(h)
+    h = pt.concatenate([pt.as_tensor(v).reshape((-1,)) for v in spec.values])
     mu = hyp.base_mean[0]
     lin = [
         GaussianBlocks(m + pt.tensordot(U, h - mu, [[-1], [0]]), f)
         for m, f, U in zip(kernel.base_mean, kernel.base_factor, hyp.lr_responses, strict=True)
     ]
     ev = kernel.bound.evaluate(lin)
-    grads = graph_replace(ev.grads, rep, strict=False)
-    hessians = graph_replace(ev.hessians, rep, strict=False)
-    new = [natural_step(st, g, H, 1.0) for st, g, H in zip(lin, grads, hessians, strict=True)]
-    value = kernel.bound.evaluate(new, need_derivatives=False).value
-    return graph_replace(value, rep, strict=False)
+    new = [natural_step(st, g, H, 1.0) for st, g, H in zip(lin, ev.grads, ev.hessians, strict=True)]
+    return list(spec.values), kernel.bound.evaluate(new, need_derivatives=False).value
 
 
 def axis_marginal(values, directions, scales) -> AxisMarginal | None:

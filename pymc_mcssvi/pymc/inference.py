@@ -929,16 +929,20 @@ class StructuredVI(Inference):
                 raise np.linalg.LinAlgError("q(h) covariance is not positive definite")
             s = np.sqrt(lam)
             if self._profile_fn is None:
-                point = pt.vector("profile_point", shape=(hyp.spec.size,))
                 with pytensor.config.change_flags(mode=HELPER_MODE), warnings.catch_warnings():
                     warnings.simplefilter("ignore")
-                    graph = profile_graph(self.kernel, point)
+                    inputs, graph = profile_graph(self.kernel)
                     ck = (
                         {"mode": python_step_mode()}
                         if self.backend_used in (None, "python", "custom")
                         else resolve_backend_compile_kwargs(self.backend_used, {})
                     )
-                    self._profile_fn = pm_compile([point], graph, **ck)
+                    fn = pm_compile(inputs, graph, **ck)
+                split = np.cumsum([int(np.prod(shp)) for shp in hyp.spec.shapes])[:-1]
+                shapes = hyp.spec.shapes
+                self._profile_fn = lambda p: fn(
+                    *[x.reshape(shp) for x, shp in zip(np.split(p, split), shapes, strict=True)]
+                )
             mu = hyp.base_mean.get_value()[0]
             pts = [mu] + [mu + z * s[j] * V[:, j] for j in range(len(s)) for z in AXIS_POINTS]
             with np.errstate(all="ignore"), self._blas_limits(None):

@@ -186,3 +186,31 @@ def test_block_layout_with_arrow_matches_the_full_covariance_fit(hyper, rng):
         np.testing.assert_allclose(m_b[i], m_f[i], atol=0.15 * s_f[i].max())
         np.testing.assert_allclose(s_b[i], s_f[i], rtol=0.1)
     assert a_b.n_iter <= 2 * a_f.n_iter
+
+
+def test_curvature_that_is_not_positive_definite_falls_back_to_q_blocks(rng):
+    """A non-log-concave likelihood can make the arrow of -E[H] indefinite: the draws then use
+    q's own blocks (not a stale view) and the joint step the blockwise solves."""
+    from pymc_mcssvi.algorithms.hyperparameters import joint_newton_step
+
+    m, _, _ = _lmm(rng)
+    with m:
+        inf = pymc_mcssvi.HMCSSVI(cov={"a": "diag"}, random_seed=0)
+    k = inf.kernel
+    G = k.base_mean[1].get_value().shape[0]
+    factors = [pt.as_tensor(np.eye(2)[None] * 1.5), pt.as_tensor(np.ones((G, 1, 1)))]
+    bad = Arrow(0, factors, [None, pt.as_tensor(np.full((G, 1, 2), 3.0))])  # Schur < 0
+    up = k._arrow_view_updates(bad, factors[0])
+    L_S = up[k.arrow_LS].eval()
+    np.testing.assert_allclose(L_S, np.eye(2) * 1.5)
+    np.testing.assert_allclose(up[k.arrow_G[0]].eval(), np.eye(2)[None])
+    assert not up[k.arrow_G[1]].eval().any()
+    # joint step: same result as without the arrow
+    B = [pt.as_tensor(rng.normal(size=(1, 2, 1))), pt.as_tensor(rng.normal(size=(G, 1, 1)))]
+    g = [pt.as_tensor(rng.normal(size=(1, 2))), pt.as_tensor(rng.normal(size=(G, 1)))]
+    P_h = pt.as_tensor(np.eye(1) * 50.0)
+    with_arrow = joint_newton_step(pt.as_tensor(np.ones(1)), P_h, 1.0, factors, g, B, arrow=bad)
+    plain = joint_newton_step(pt.as_tensor(np.ones(1)), P_h, 1.0, factors, g, B)
+    np.testing.assert_allclose(with_arrow.delta_h.eval(), plain.delta_h.eval())
+    for a, b in zip(with_arrow.responses, plain.responses, strict=True):
+        np.testing.assert_allclose(a.eval(), b.eval())

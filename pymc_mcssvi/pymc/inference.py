@@ -839,6 +839,8 @@ class StructuredVI(Inference):
         if max_iter <= 0:
             raise ValueError(f"max_iter must be positive, got {max_iter!r}")
         callbacks = list(callbacks or [])
+        if getattr(self, "_marginal", None) is not None:
+            self._marginal[0].set_value(np.int8(0))  # recomputed at the end of this fit
         step = self._step_function(backend, compile_kwargs)
         total = int(n) if n is not None else int(max_iter)
         auto_stop = n is None

@@ -25,8 +25,10 @@ from pymc.pytensorf import resolve_backend_compile_kwargs
 from pymc.variational.inference import Inference
 from pytensor.compile.mode import Mode, get_mode
 from pytensor.graph.replace import graph_replace
-from pytensor.graph.rewriting.basic import in2out
+from pytensor.graph.rewriting.basic import in2out, node_rewriter
 from pytensor.link.vm import VMLinker
+from pytensor.scalar.math import TriGamma
+from pytensor.tensor.elemwise import Elemwise
 from rich.console import Console
 from rich.progress import Progress, TextColumn
 from threadpoolctl import threadpool_limits
@@ -143,18 +145,31 @@ def jax_available() -> bool:
     return importlib.util.find_spec("jax") is not None
 
 
+@node_rewriter([Elemwise])
+def trigamma_as_polygamma(fgraph, node):
+    """``tri_gamma(x) -> polygamma(1, x)``: the same function, but with a NumPy-level
+    (SciPy ufunc) implementation. PyTensor's ``TriGamma`` has none, so the Python VM
+    evaluates it one scalar at a time (a Beta regression with 600 rows spent 0.7 s per
+    iteration there: the derivatives of ``digamma(mu * nu)``)."""
+    if not isinstance(node.op.scalar_op, TriGamma):
+        return None
+    (x,) = node.inputs
+    out = pt.polygamma(1, x)
+    return [out.astype(node.outputs[0].dtype)]
+
+
 def python_step_mode() -> Mode:
     """Mode of the step function with the ``"python"`` backend.
 
     FAST_COMPILE's rewrites without the matrix-structure ones (see
     :func:`structure_rewrites`), run by the Python VM without garbage
     collection between iterations (the step is called many times with arrays
-    of the same shapes).
+    of the same shapes), plus :func:`trigamma_as_polygamma`.
     """
     return Mode(
         linker=VMLinker(use_cloop=False, c_thunks=False, allow_gc=False),
         optimizer=without_structure_rewrites(get_mode("FAST_COMPILE")).provided_optimizer,
-    )
+    ).register((in2out(trigamma_as_polygamma), 0.5))
 
 
 def covariance_hyperparameters(tlm, model) -> list[str]:

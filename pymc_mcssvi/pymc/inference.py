@@ -25,10 +25,7 @@ from pymc.pytensorf import resolve_backend_compile_kwargs
 from pymc.variational.inference import Inference
 from pytensor.compile.mode import Mode, get_mode
 from pytensor.graph.replace import graph_replace
-from pytensor.graph.rewriting.basic import in2out, node_rewriter
-from pytensor.link.vm import VMLinker
-from pytensor.scalar.math import TriGamma
-from pytensor.tensor.elemwise import Elemwise
+from pytensor.graph.rewriting.basic import in2out
 from rich.console import Console
 from rich.progress import Progress, TextColumn
 from threadpoolctl import threadpool_limits
@@ -65,6 +62,12 @@ from pymc_mcssvi.pymc.approximation import (
     StructuredGaussianGroup,
 )
 from pymc_mcssvi.pymc.locals import LocalGroup, initial_local_params, local_posteriors
+from pymc_mcssvi.pymc.python_vm import (  # noqa: F401  (re-exported: older import path)
+    python_step_mode,
+    structure_rewrites,
+    trigamma_as_polygamma,
+    without_structure_rewrites,
+)
 from pymc_mcssvi.recognize.graph import depends_on_any, evaluate_static
 from pymc_mcssvi.recognize.model import recognize
 
@@ -96,80 +99,10 @@ START_PREDICTOR_SD = 10.0
 HELPER_MODE = "FAST_COMPILE"
 
 
-#: Rewrites outside PyTensor's linear-algebra modules that only fire on matrices
-#: proven diagonal/orthogonal by the assumption system (never ours).
-_ASSUMPTION_REWRITES = ("dot_diag_to_elemwise",)
-
-
-@functools.cache
-def structure_rewrites() -> tuple[str, ...]:
-    """Names of the rewrites that look for matrix structure.
-
-    Every rewrite defined in ``pytensor.tensor.rewriting.linalg`` (most are not
-    tagged ``"linalg"``) plus :data:`_ASSUMPTION_REWRITES`. They ask PyTensor's
-    assumption system whether a matrix is diagonal, orthogonal, triangular...;
-    the step's matrices are dense by construction, so the answer is always no
-    and asking costs a fifth of the step's set-up (Contraception GLMM:
-    0.6 s of 3.2 s, with identical iterations).
-    """
-    from pytensor.compile import optdb
-    from pytensor.graph.rewriting.db import RewriteDatabase
-
-    names, seen = set(_ASSUMPTION_REWRITES), set()
-
-    def walk(db):
-        if id(db) in seen:
-            return
-        seen.add(id(db))
-        for name in getattr(db, "_names", ()):
-            for rewriter in list(db.__db__.get(name, ())):
-                if isinstance(rewriter, RewriteDatabase):
-                    walk(rewriter)
-                    continue
-                module = getattr(getattr(rewriter, "fn", None), "__module__", "") or ""
-                if module.startswith("pytensor.tensor.rewriting.linalg"):
-                    names.add(name)
-
-    walk(optdb)
-    return tuple(sorted(names))
-
-
-def without_structure_rewrites(mode: Mode) -> Mode:
-    """``mode`` without the ``"linalg"`` rewrites and :func:`structure_rewrites`."""
-    return mode.excluding("linalg", *structure_rewrites())
-
-
 @functools.cache
 def jax_available() -> bool:
     """Whether JAX is installed (the automatic backend of large steps, see ``choose_backend``)."""
     return importlib.util.find_spec("jax") is not None
-
-
-@node_rewriter([Elemwise])
-def trigamma_as_polygamma(fgraph, node):
-    """``tri_gamma(x) -> polygamma(1, x)``: the same function, but with a NumPy-level
-    (SciPy ufunc) implementation. PyTensor's ``TriGamma`` has none, so the Python VM
-    evaluates it one scalar at a time (a Beta regression with 600 rows spent 0.7 s per
-    iteration there: the derivatives of ``digamma(mu * nu)``)."""
-    if not isinstance(node.op.scalar_op, TriGamma):
-        return None
-    (x,) = node.inputs
-    out = pt.polygamma(1, x)
-    return [out.astype(node.outputs[0].dtype)]
-
-
-def python_step_mode() -> Mode:
-    """Mode of the step function with the ``"python"`` backend.
-
-    FAST_COMPILE's rewrites without the matrix-structure ones (see
-    :func:`structure_rewrites`), run by the Python VM without garbage
-    collection between iterations (the step is called many times with arrays
-    of the same shapes), plus :func:`trigamma_as_polygamma`.
-    """
-    return Mode(
-        linker=VMLinker(use_cloop=False, c_thunks=False, allow_gc=False),
-        optimizer=without_structure_rewrites(get_mode("FAST_COMPILE")).provided_optimizer,
-    ).register((in2out(trigamma_as_polygamma), 0.5))
 
 
 def covariance_hyperparameters(tlm, model) -> list[str]:

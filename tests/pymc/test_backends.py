@@ -170,22 +170,3 @@ def test_jax_fit_leaves_numpy_state_for_the_rest_of_the_fit():
     np.testing.assert_allclose(got.hist, ref.hist, rtol=1e-9)
     draws = got.sample(50, random_seed=1)
     assert np.all(np.isfinite(draws.posterior["f"].values))
-
-
-def test_python_step_mode_evaluates_trigamma_with_numpy():
-    """The derivative of digamma (Beta, Gamma, Student-t likelihoods with learned shapes)
-    runs as one SciPy ufunc call in the Python backend, not one Python call per element."""
-    import pytensor
-    import pytensor.tensor as pt
-    from pytensor.scalar.math import TriGamma
-    from scipy.special import polygamma
-
-    x = pt.vector("x")
-    d = pytensor.grad(pt.sum(pt.digamma(x)), x)
-    fn = pytensor.function([x], [d, pytensor.grad(pt.sum(d), x)], mode=inference.python_step_mode())
-    ops = [getattr(n.op, "scalar_op", None) for n in fn.maker.fgraph.apply_nodes]
-    assert not any(isinstance(op, TriGamma) for op in ops)
-    vals = np.array([0.3, 1.0, 7.5, 250.0])
-    d1, d2 = fn(vals)
-    np.testing.assert_allclose(d1, polygamma(1, vals), rtol=1e-12)
-    np.testing.assert_allclose(d2, polygamma(2, vals), rtol=1e-12)

@@ -63,7 +63,7 @@ def pmf(
     --------
     >>> import numpy as np, pymc_mcssvi
     >>> r, c = np.array([0, 1, 2]), np.array([1, 0, 1])
-    >>> m = pymc_mcssvi.models.pmf(r, c, np.array([1, 0, 1]), n_rows=3, n_cols=2, rank=1)
+    >>> m = pymc_mcssvi.models.pmf(r, c, np.array([1, 0, 1]), n_rows=3, n_cols=2, rank=2)
     >>> pymc_mcssvi.describe(m).predictor("y")
     'bilinear'
     """

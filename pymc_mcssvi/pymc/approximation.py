@@ -15,7 +15,7 @@ import pytensor.tensor as pt
 from pymc.variational.opvi import Approximation, Group, node_property
 from xarray import DataArray, Dataset
 
-from pymc_mcssvi.algorithms.marginal import table_transform
+from pymc_mcssvi.algorithms.marginal import node_interpolation, table_transform
 from pymc_mcssvi.families.gaussian import GaussianBlocks, covariance, sample
 
 __all__ = ["PointGroup", "StructuredApproximation", "StructuredGaussianGroup"]
@@ -44,6 +44,13 @@ class StructuredGaussianGroup(Group):
     :mod:`~pymc_mcssvi.algorithms.marginal`) replaces the Gaussian by the
     skewed axis marginal while ``on`` is 1; ``center`` stays the Gaussian's
     mean (the point other groups' linear responses are taken at).
+    An optional ``view=(on, factors, table)`` (a flag, one shared factor per
+    segment in the group's parameterization, and the ``(n_h, 9, ddim)`` log
+    ratios of the conditional sds along the hyperparameters' axes) replaces
+    q's own factors in the draws, ``std`` and ``cov`` while ``on`` is 1, and
+    scales each draw's noise by the conditional sds at its ``h`` (see
+    :func:`~pymc_mcssvi.algorithms.marginal.averaged_view_factors`); the
+    means are q's.
     """
 
     __param_spec__ = {"segment_means": ("d",), "segment_factors": ("d",)}
@@ -61,6 +68,9 @@ class StructuredGaussianGroup(Group):
         self.response = kw.get("response")
         self.arrow = kw.get("arrow")
         self.marginal = kw.get("marginal")
+        self.view = kw.get("view")
+        if self.view is not None and self.arrow is not None:
+            raise ValueError("a factor view and the arrow view cannot be combined")
         self.shared_params = {
             **{m.name: m for m in self.shared_means},
             **{f.name: f for f in self.shared_factors},
@@ -110,10 +120,13 @@ class StructuredGaussianGroup(Group):
         ]
 
     def _states(self):
-        return [
-            GaussianBlocks(m, f)
-            for m, f in zip(self.shared_means, self.shared_factors, strict=True)
-        ]
+        factors = list(self.shared_factors)
+        if self.view is not None:
+            on, view_factors, _ = self.view
+            factors = [
+                pt.switch(pt.eq(on, 1), v, f) for v, f in zip(view_factors, factors, strict=True)
+            ]
+        return [GaussianBlocks(m, f) for m, f in zip(self.shared_means, factors, strict=True)]
 
     @node_property
     def symbolic_random(self):
@@ -131,6 +144,12 @@ class StructuredGaussianGroup(Group):
         if resp is not None:
             hyper, pairs = resp
             h = hyper.symbolic_random - hyper.center[None, :]
+            if self.view is not None and hyper.marginal is not None:
+                on, _, table = self.view
+                _, V, s, *_ = hyper.marginal
+                scale = pt.exp(node_interpolation((h @ V) / s, table))
+                centre = self.center[None, :]
+                out = centre + pt.switch(pt.eq(on, 1), scale, 1.0) * (out - centre)
             out = out + h @ self._response_matrix(hyper, pairs).T
         if self.marginal is not None:
             on, V, s, T, _, _ = self.marginal

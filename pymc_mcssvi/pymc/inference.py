@@ -42,6 +42,9 @@ from pymc_mcssvi.algorithms.marginal import (
     AXIS_POINTS,
     EPS_GRID,
     MAX_CORRECTED_HYPERS,
+    MAX_VIEW_WORK,
+    NODES,
+    averaged_view_factors,
     axis_marginal,
     profile_graph,
 )
@@ -575,6 +578,20 @@ class StructuredVI(Inference):
             )
             if lr:
                 response = (hyper_group, k.hypers.lr_responses)
+        arrow_view = self.linear_response and k.arrow_head is not None
+        self._view = None
+        if getattr(self, "_marginal", None) is not None and not arrow_view:
+            n_w = sum(g.size for g in tlm.gaussians)
+            self._view = (
+                pytensor.shared(np.int8(0), name="conditional_view_on"),
+                [
+                    pytensor.shared(f.get_value(), name=f"conditional_view_factor_{s}")
+                    for s, f in enumerate(k.base_factor)
+                ],
+                pytensor.shared(
+                    np.zeros((k.hypers.spec.size, len(NODES), n_w)), name="conditional_view_sd"
+                ),
+            )
         groups = [
             StructuredGaussianGroup(
                 [g.rv for g in tlm.gaussians],
@@ -585,11 +602,8 @@ class StructuredVI(Inference):
                 means=k.base_mean,
                 factors=k.base_factor,
                 response=response,
-                arrow=(
-                    (k.arrow_head, k.arrow_G, k.arrow_LS)
-                    if (self.linear_response and k.arrow_head is not None)
-                    else None
-                ),
+                arrow=(k.arrow_head, k.arrow_G, k.arrow_LS) if arrow_view else None,
+                view=self._view,
             )
         ]
         if hyper_group is not None:
@@ -789,6 +803,8 @@ class StructuredVI(Inference):
         callbacks = list(callbacks or [])
         if getattr(self, "_marginal", None) is not None:
             self._marginal[0].set_value(np.int8(0))  # recomputed at the end of this fit
+        if getattr(self, "_view", None) is not None:
+            self._view[0].set_value(np.int8(0))
         step = self._step_function(backend, compile_kwargs)
         total = int(n) if n is not None else int(max_iter)
         auto_stop = n is None
@@ -879,24 +895,12 @@ class StructuredVI(Inference):
                 raise np.linalg.LinAlgError("q(h) covariance is not positive definite")
             s = np.sqrt(lam)
             if self._profile_fn is None:
-                with pytensor.config.change_flags(mode=HELPER_MODE), warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    inputs, graph = profile_graph(self.kernel)
-                    ck = (
-                        {"mode": python_step_mode()}
-                        if self.backend_used in (None, "python", "custom")
-                        else resolve_backend_compile_kwargs(self.backend_used, {})
-                    )
-                    fn = pm_compile(inputs, graph, **ck)
-                split = np.cumsum([int(np.prod(shp)) for shp in hyp.spec.shapes])[:-1]
-                shapes = hyp.spec.shapes
-                self._profile_fn = lambda p: fn(
-                    *[x.reshape(shp) for x, shp in zip(np.split(p, split), shapes, strict=True)]
-                )
+                self._profile_fn = self._compile_profile()
             mu = hyp.base_mean.get_value()[0]
             pts = [mu] + [mu + z * s[j] * V[:, j] for j in range(len(s)) for z in AXIS_POINTS]
             with np.errstate(all="ignore"), self._blas_limits(None):
-                values = np.array([float(self._profile_fn(p)) for p in pts])
+                outs = [self._profile_fn(p) for p in pts]
+            values = np.array([float(o[0]) for o in outs])
         except Exception as err:  # the Gaussian q(h) stays
             logger.info("Skewed q(h) not computed (%s: %s)", type(err).__name__, err)
             return
@@ -910,6 +914,50 @@ class StructuredVI(Inference):
         shift_sh.set_value(am.mean_shift)
         cov_sh.set_value(am.cov)
         on.set_value(np.int8(1))
+        if self._view is not None and len(outs[0]) > 1:
+            with np.errstate(all="ignore"):
+                view = averaged_view_factors(am.weights, [o[1:] for o in outs])
+            if view is None:
+                logger.info("Conditional covariance of q(w) not averaged: not positive definite")
+                return
+            factors, ratios = view
+            view_on, view_factors, table_sh = self._view
+            table = np.zeros(table_sh.get_value(borrow=True).shape)
+            for ratio, idx in zip(ratios, self._flat_maps, strict=True):
+                table[:, :, idx.reshape(-1)] = ratio.reshape((*ratio.shape[:2], -1))
+            for shared, f in zip(view_factors, factors, strict=True):
+                shared.set_value(f)
+            table_sh.set_value(table)
+            view_on.set_value(np.int8(1))
+
+    def _compile_profile(self):
+        """The profile function ``p -> (value, *factors)`` of :func:`profile_graph`.
+
+        The re-fitted q(w | h)'s factors are returned only when there is a
+        factor view to fill and it is small enough (:data:`MAX_VIEW_WORK`).
+        """
+        hyp = self.kernel.hypers
+        work = sum(
+            f.get_value(borrow=True).shape[0] * f.get_value(borrow=True).shape[-1] ** 3
+            for f in self.kernel.base_factor
+        )
+        with pytensor.config.change_flags(mode=HELPER_MODE), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            inputs, value, factors = profile_graph(self.kernel)
+            outputs = (
+                [value, *factors] if (self._view is not None and work <= MAX_VIEW_WORK) else [value]
+            )
+            ck = (
+                {"mode": python_step_mode()}
+                if self.backend_used in (None, "python", "custom")
+                else resolve_backend_compile_kwargs(self.backend_used, {})
+            )
+            fn = pm_compile(inputs, outputs, **ck)
+        split = np.cumsum([int(np.prod(shp)) for shp in hyp.spec.shapes])[:-1]
+        shapes = hyp.spec.shapes
+        return lambda p: fn(
+            *[x.reshape(shp) for x, shp in zip(np.split(p, split), shapes, strict=True)]
+        )
 
     def _warn_collapsed_scales(self):
         """Warn when a log-transformed hyperparameter's estimate ran off towards 0."""

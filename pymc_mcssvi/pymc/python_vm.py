@@ -23,8 +23,10 @@ from pytensor.compile.mode import Mode, get_mode
 from pytensor.graph.rewriting.basic import in2out, node_rewriter
 from pytensor.link.vm import VMLinker
 from pytensor.scalar.basic import Clip, Second
-from pytensor.scalar.math import Log1mexp, Softplus, TriGamma
+from pytensor.scalar.math import Log1mexp, TriGamma
 from pytensor.tensor.elemwise import Elemwise
+
+from pymc_mcssvi.recognize.stabilize import softplus_to_ufuncs
 
 __all__ = [
     "UFUNC_REWRITES",
@@ -32,7 +34,6 @@ __all__ = [
     "fill_as_alloc",
     "log1mexp_as_ufuncs",
     "python_step_mode",
-    "softplus_as_ufuncs",
     "structure_rewrites",
     "trigamma_as_polygamma",
     "without_structure_rewrites",
@@ -128,19 +129,6 @@ def fill_as_alloc(fgraph, node):
 
 
 @node_rewriter([Elemwise])
-def softplus_as_ufuncs(fgraph, node):
-    """``softplus(x) = log(1 + exp(x)) -> log1p(exp(-|x|)) + max(x, 0)``.
-
-    Exact in floating point over the whole line (no overflow for large ``x``,
-    full relative accuracy for very negative ``x``), from five ufunc calls.
-    """
-    if not _scalar_op_is(node, Softplus):
-        return None
-    (x,) = node.inputs
-    return _as_output(pt.log1p(pt.exp(-pt.abs(x))) + pt.maximum(x, 0), node)
-
-
-@node_rewriter([Elemwise])
 def log1mexp_as_ufuncs(fgraph, node):
     """``log1mexp(x) = log(1 - exp(x))`` with PyTensor's own two branches as ufuncs.
 
@@ -168,7 +156,7 @@ def clip_as_ufuncs(fgraph, node):
 UFUNC_REWRITES = (
     trigamma_as_polygamma,
     fill_as_alloc,
-    softplus_as_ufuncs,
+    softplus_to_ufuncs,
     log1mexp_as_ufuncs,
     clip_as_ufuncs,
 )

@@ -44,7 +44,7 @@ from pytensor.tensor.subtensor import AdvancedSubtensor, Subtensor, get_idx_list
 
 from pymc_mcssvi.recognize.graph import holds_row_positions
 
-__all__ = ["log1mexp_negexp", "stable_logp"]
+__all__ = ["log1mexp_negexp", "softplus_to_ufuncs", "stable_logp"]
 
 
 def _const_value(v):
@@ -132,7 +132,9 @@ def log1mexp_negexp(x):
     high = x > _CLOGLOG_HIGH
     x_low = pt.minimum(x, _CLOGLOG_LOW)
     x_mid = pt.clip(x, _CLOGLOG_LOW, _CLOGLOG_HIGH)
-    x_high = pt.maximum(x, _CLOGLOG_HIGH)
+    # above 700 the value and its derivatives are 0 to double precision; without the
+    # cap, exp(x) overflows and the derivative exp(x) exp(-exp(x)) is inf * 0 = nan
+    x_high = pt.clip(x, _CLOGLOG_HIGH, 700.0)
     return pt.switch(
         low,
         x_low - 0.5 * pt.exp(x_low),
@@ -279,17 +281,21 @@ def _log1mexp_of_log1mexp(fgraph, node):
 
 
 @node_rewriter([Elemwise])
-def _softplus_to_ufuncs(fgraph, node):
+def softplus_to_ufuncs(fgraph, node):
     """``softplus(x) -> max(x, 0) + log1p(exp(-|x|))``.
 
-    The same stable value, written with operations that have NumPy ufuncs:
-    PyTensor's scalar softplus has none and runs as a Python loop per element
-    when the step is not compiled.
+    The same stable value (exact in floating point over the whole line: no
+    overflow for large ``x``, full relative accuracy for very negative ``x``),
+    written with operations that have NumPy ufuncs: PyTensor's scalar softplus
+    has none and runs as a Python loop per element when the step is not
+    compiled (also part of :data:`pymc_mcssvi.pymc.python_vm.UFUNC_REWRITES`).
     """
     if not isinstance(node.op.scalar_op, ps_math.Softplus):
         return None
     (x,) = node.inputs
-    return [pt.maximum(x, 0.0) + pt.log1p(pt.exp(-pt.abs(x)))]
+    out = pt.maximum(x, 0) + pt.log1p(pt.exp(-pt.abs(x)))
+    dtype = node.outputs[0].dtype
+    return [out if out.dtype == dtype else out.astype(dtype)]
 
 
 #: Stand-in for the infinite outer cutpoints of an ordered likelihood (``softplus``
@@ -518,6 +524,6 @@ def stable_logp(logp):
     return rewrite_graph(
         logp,
         include=(),
-        custom_rewrite=in2out(_softplus_to_ufuncs, _log1mexp_of_negexp),
+        custom_rewrite=in2out(softplus_to_ufuncs, _log1mexp_of_negexp),
         clone=True,
     )

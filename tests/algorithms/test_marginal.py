@@ -124,3 +124,70 @@ def test_group_scale_mean_against_the_exact_marginal(centered, rng):
     assert abs(err["profile"]) < abs(err["gaussian"]), (means, exact)
     if centered:
         assert err["gaussian"] > 0.15, (means, exact)
+
+
+def _exact_moments_given_grid(g, x, y, G):
+    """Posterior sds of (b0, b1, a) of the Gaussian LMM from the closed form on a grid of
+    (log sd_a, log sigma): conditionally Gaussian given the scales, mixed over the grid."""
+    n = len(y)
+    D = np.column_stack([np.ones(n), x, np.eye(G)[g]])
+    ha = np.linspace(np.log(0.005), np.log(4.0), 150)
+    hy = np.linspace(np.log(0.5), np.log(2.0), 50)
+    lw, M, V = [], [], []
+    for a in ha:
+        for b in hy:
+            sa, sy = np.exp(a), np.exp(b)
+            prior = np.r_[1 / 25, 1 / 6.25, np.full(G, 1 / sa**2)]
+            P = D.T @ D / sy**2 + np.diag(prior)
+            m = np.linalg.solve(P, D.T @ y / sy**2)
+            r = y - D @ m
+            logdet = np.linalg.slogdet(P)[1]
+            lml = -0.5 * (r @ r / sy**2 + m @ (prior * m)) - n * b - G * a - 0.5 * logdet
+            lw.append(lml - 0.5 * (sa**2 + sy**2) + a + b)  # HalfNormal(1) priors, Jacobians
+            M.append(m)
+            V.append(np.diag(np.linalg.inv(P)))
+    w = np.exp(np.array(lw) - max(lw))
+    w /= w.sum()
+    M, V = np.array(M), np.array(V)
+    mean = w @ M
+    return np.sqrt(w @ V + w @ (M - mean) ** 2)
+
+
+@pytest.mark.parametrize("centered", [True, False], ids=["centered", "noncentered"])
+def test_effect_sds_with_few_groups_against_the_exact_posterior(centered):
+    """Six groups, so the group scale is uncertain: q(w)'s own covariance (prior precision
+    averaged over q(h)) makes the intercept 13-20% too narrow (measured 0.87 / 0.80 of the
+    exact sd). Averaging q(w | h)'s covariance over the profile points, with each draw's
+    noise scaled to its h, brings the intercept, slope and every effect (``sd_a * z`` in the
+    non-centered model) within 6% (measured 0.98-1.02)."""
+    rng = np.random.default_rng(0)
+    G, n = 6, 60
+    g = np.concatenate([np.arange(G), rng.integers(0, G, n - G)])
+    x = rng.normal(size=n)
+    y = 0.5 + 0.3 * x + rng.normal(0, 0.6, G)[g] + rng.normal(0, 1.0, n)
+    exact = _exact_moments_given_grid(g, x, y, G)
+    with pm.Model() as m:
+        b0 = pm.Normal("b0", 0, 5)
+        b1 = pm.Normal("b1", 0, 2.5)
+        sd_a = pm.HalfNormal("sd_a", 1)
+        sigma = pm.HalfNormal("sigma", 1)
+        if centered:
+            a = pm.Normal("a", 0, sd_a, shape=G)
+        else:
+            a = pm.Deterministic("a", sd_a * pm.Normal("z", 0, 1, shape=G))
+        pm.Normal("y", b0 + b1 * x + a[g], sigma, observed=y)
+    ratios = {}
+    for hm in ("profile", "gaussian"):
+        with m:
+            inf = pymc_mcssvi.HMCSSVI(random_seed=1, hyper_marginal=hm)
+            approx = inf.fit(progressbar=False)
+        post = approx.sample(20_000, random_seed=2).posterior
+        sds = np.r_[post["b0"].std(), post["b1"].std(), post["a"].values.reshape(-1, G).std(0)]
+        ratios[hm] = sds / exact
+        if hm == "profile":
+            assert int(inf._view[0].get_value()) == 1
+            # approx.std reports the averaged covariance (the draws' sd up to MC error)
+            flat_sd = np.asarray(approx.std.eval())
+            assert abs(flat_sd[approx.ordering["b0"][1]][0] / post["b0"].std() - 1) < 0.03
+    np.testing.assert_allclose(ratios["profile"], 1.0, atol=0.06)
+    assert ratios["gaussian"][0] < 0.9, ratios["gaussian"]

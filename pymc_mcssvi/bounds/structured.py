@@ -30,6 +30,11 @@ from pymc_mcssvi.recognize.graph import evaluate_static
 
 __all__ = ["BoundEvaluation", "StructuredBound"]
 
+#: Quadrature nodes (at least) for a log density with kinks in its predictor: its
+#: expectations come from Stein's lemma on the values, whose quadrature converges
+#: more slowly than for a smooth integrand (Laplace: 3% error at 32 nodes).
+KINKED_POINTS = 32
+
 
 @dataclass
 class BoundEvaluation:
@@ -185,8 +190,9 @@ class StructuredBound:
                     mu.reshape(shape) if shape else mu[0],
                     var.reshape(shape) if shape else var[0],
                     method=self.estimator,
-                    n_points=self.n_points,
+                    n_points=self.n_points if term.smooth else max(self.n_points, KINKED_POINTS),
                     need_hessian=need_hessian,
+                    derivatives="direct" if term.smooth else "stein",
                 )
                 alpha = alpha.reshape((-1,))
                 beta = None if beta is None else beta.reshape((-1,))

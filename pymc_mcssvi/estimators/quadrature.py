@@ -26,7 +26,7 @@ from functools import lru_cache
 
 import numpy as np
 import pytensor.tensor as pt
-from pytensor.graph.replace import vectorize_graph
+from pytensor.graph.replace import graph_replace, vectorize_graph
 
 __all__ = ["expected_derivatives", "gauss_hermite"]
 
@@ -62,6 +62,7 @@ def expected_derivatives(
     n_points: int = 20,
     rng=None,
     need_hessian: bool = True,
+    derivatives: str = "direct",
 ):
     """Expectations ``(T, alpha, beta)`` of an elementwise log density.
 
@@ -80,6 +81,30 @@ def expected_derivatives(
     rng : shared RNG, optional
         Generator of the ``method="mc"`` draws (a new shared one by default;
         PyMC's ``compile`` seeds it).
+    derivatives : {"direct", "stein"}
+        ``"direct"``: ``alpha = E[l']``, ``beta = E[l'']``. ``"stein"``: from
+        the values alone by Stein's lemma, ``alpha = E[z l(f)] / sd`` and
+        ``beta = E[(z^2 - 1) l(f)] / var`` with ``z = (f - mean) / sd`` (``l``
+        at the mean subtracted first, which leaves both unchanged and keeps
+        them accurate for a small ``sd``). For a smooth ``l`` the numbers are
+        the same; a log density with kinks (Laplace, asymmetric Laplace) has
+        ``l'' = 0`` almost everywhere while ``E[l'']`` is not 0, and a jump in
+        ``l'`` makes its quadrature converge slowly, while ``l`` itself is
+        continuous.
+
+    Examples
+    --------
+    The Laplace log density ``-|y - f|``: ``E[l''] = -2 N(y; mean, var)``.
+
+    >>> import numpy as np, pytensor.tensor as pt
+    >>> f = pt.vector("f")
+    >>> logp = -pt.abs(1.0 - f)
+    >>> mean, var = pt.constant(np.array([0.0, 2.5])), pt.constant(np.array([1.0, 0.25]))
+    >>> _, _, direct = expected_derivatives(logp, f, mean, var)
+    >>> _, _, stein = expected_derivatives(logp, f, mean, var, derivatives="stein", n_points=40)
+    >>> exact = -2 * np.exp(-0.5 * np.array([1.0, 9.0])) / np.sqrt(2 * np.pi * np.array([1.0, 0.25]))
+    >>> direct.eval().tolist(), bool(np.allclose(stein.eval(), exact, rtol=0.1))
+    ([0.0, 0.0], True)
 
     Returns
     -------
@@ -87,8 +112,11 @@ def expected_derivatives(
         Each with the shape of ``logp``; ``beta`` is ``None`` when
         ``need_hessian`` is False.
     """
-    graphs = derivative_graphs(logp, placeholder)
-    if not need_hessian:
+    if derivatives not in ("direct", "stein"):
+        raise ValueError(f"derivatives must be 'direct' or 'stein', got {derivatives!r}")
+    stein = derivatives == "stein"
+    graphs = (logp,) if stein else derivative_graphs(logp, placeholder)
+    if not need_hessian and not stein:
         graphs = graphs[:2]
     # max(var, tiny): a predictor entry with zero variance (a zero covariate) keeps a
     # finite derivative (sqrt has an infinite one at 0, and inf * 0 = nan).
@@ -98,6 +126,8 @@ def expected_derivatives(
         z = pt.constant(z.reshape((-1,) + (1,) * mean.ndim))
         points = mean[None] + sd[None] * z
         vals = vectorize_graph(list(graphs), {placeholder: points})
+        if stein:
+            vals = _stein_values(vals[0], graphs[0], placeholder, mean, sd, z, need_hessian)
         # l has the shape of logp, l' and l'' that of the predictor.
         out = [pt.tensordot(pt.constant(w), v, axes=[[0], [0]]) for v in vals]
     elif method == "mc":
@@ -105,12 +135,23 @@ def expected_derivatives(
         z = pt.random.normal(size=shape, rng=rng)
         points = mean[None] + sd[None] * z
         vals = vectorize_graph(list(graphs), {placeholder: points})
+        if stein:
+            vals = _stein_values(vals[0], graphs[0], placeholder, mean, sd, z, need_hessian)
         out = [pt.mean(v, axis=0) for v in vals]
     else:
         raise ValueError(f"method must be 'quadrature' or 'mc', got {method!r}")
     if not need_hessian:
         out.append(None)
     return tuple(out)
+
+
+def _stein_values(values, logp, placeholder, mean, sd, z, need_hessian):
+    """Per-node integrands of ``(T, alpha, beta)`` by Stein's lemma (see ``derivatives``)."""
+    centred = values - graph_replace(logp, {placeholder: mean}, strict=False)[None]
+    out = [values, z * centred / sd[None]]
+    if need_hessian:
+        out.append((pt.square(z) - 1.0) * centred / pt.square(sd)[None])
+    return out
 
 
 def expected_standard_normal(mean, var):

@@ -177,6 +177,10 @@ class PredictorTerm:
     gaussian : bool
         True when ``logp`` is the standard normal log density of ``eta`` (the
         whitened prior residual): expectations are then exact and closed form.
+    smooth : bool
+        False when ``logp`` has kinks or jumps in ``eta`` (``abs``, ``switch``
+        on ``eta``...): its expected Hessian is then computed from ``l'`` by
+        Stein's lemma (see :func:`~pymc_mcssvi.estimators.quadrature.expected_derivatives`).
     """
 
     name: str
@@ -188,6 +192,7 @@ class PredictorTerm:
     gaussian: bool = False
     kind: str = "likelihood"
     form: str = ""
+    smooth: bool = True
 
 
 @dataclass

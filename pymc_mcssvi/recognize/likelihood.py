@@ -128,8 +128,46 @@ def likelihood_term(
             placeholder=placeholder,
             logp=stable_logp(replaced),
             form=_form_of(form.terms),
+            smooth=is_smooth_in(replaced, placeholder),
         )
     return None
+
+
+#: Element-wise ops with a kink or a jump in their arguments.
+_KINKED = ("Abs", "Sign", "Maximum", "Minimum", "Clip", "Floor", "Ceil", "Trunc")
+
+
+def is_smooth_in(logp: Variable, x: Variable) -> bool:
+    """Whether ``logp`` is smooth in ``x`` as written: no ``abs``, ``sign``,
+    ``maximum``/``minimum`` or rounding of a quantity that depends on ``x``.
+
+    Checked on PyMC's log density before :func:`stable_logp` (whose stable forms
+    use ``abs`` and ``maximum`` of smooth functions). ``switch`` is not
+    inspected: PyMC's log densities switch between branches of one smooth
+    function (stable log cdfs) or on events of measure zero, which the
+    second derivative handles.
+
+    Examples
+    --------
+    >>> import pytensor.tensor as pt
+    >>> f = pt.vector("f")
+    >>> is_smooth_in(-pt.abs(1.0 - f), f), is_smooth_in(-pt.softplus(-f), f)
+    (False, True)
+    >>> is_smooth_in(pt.sign(f) * f**2, f), is_smooth_in(f * pt.abs(f.shape[0] - 2), f)
+    (False, True)
+    """
+    from pytensor.graph.traversal import io_toposort
+    from pytensor.tensor.elemwise import Elemwise
+    from pytensor.tensor.shape import Shape, Shape_i
+
+    depends = {x}
+    for node in io_toposort([x], [logp]):
+        if not any(i in depends for i in node.inputs) or isinstance(node.op, Shape | Shape_i):
+            continue  # a shape is not a function of the values
+        depends.update(node.outputs)
+        if isinstance(node.op, Elemwise) and type(node.op.scalar_op).__name__ in _KINKED:
+            return False
+    return True
 
 
 def check_indices(name: str, lin: _Linearizer) -> None:

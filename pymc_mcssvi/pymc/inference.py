@@ -80,6 +80,8 @@ logger = logging.getLogger("pymc_mcssvi")
 
 #: Consecutive rejected steps after which the fit is declared divergent.
 MAX_REJECTIONS = 40
+#: Times the start q's sd is divided by 10 while its bound is not finite.
+MAX_START_SHRINKS = 3
 
 #: Below this many estimated flops per iteration BLAS runs on one thread.
 BLAS_THREADS_WORK = 5e8
@@ -378,6 +380,7 @@ class StructuredVI(Inference):
         self.state = None
         self._step_fns = {}
         self._rejections = 0
+        self._start_shrinks = 0
         self._work = None  # cached work_estimate()
         self.backend_used = None
         with pytensor.config.change_flags(mode=HELPER_MODE):
@@ -689,9 +692,12 @@ class StructuredVI(Inference):
         if key not in self._step_fns:
             try:
                 fn = self._compile_step(backend, compile_kwargs)
-            except NotImplementedError as err:
+            except Exception as err:  # noqa: BLE001  (JAX's translation errors share no base class)
                 if not (automatic and backend == "jax"):
                     raise
+                # a missing JAX translation (NotImplementedError) or a failure inside one
+                # (an AttributeError in PyTensor's JAX Reshape for a general likelihood term):
+                # the fallback backend compiles the same graph, and re-raises a genuine error
                 self._replace_jax_step(key, compile_kwargs, err)
             else:
                 if automatic and backend == "jax":
@@ -985,6 +991,13 @@ class StructuredVI(Inference):
         return self.fit(n, progressbar=progressbar, progressbar_theme=progressbar_theme)
 
     def _track_rejections(self, accepted, cand_bound, iteration):
+        if (
+            not accepted
+            and self._start_shrinks < MAX_START_SHRINKS
+            and not np.isfinite(float(self.kernel.base_bound.get_value()))
+        ):
+            self._shrink_start(cand_bound)
+            return
         self._rejections = 0 if accepted else self._rejections + 1
         if self._rejections >= MAX_REJECTIONS:
             self.kernel.reset_candidate()
@@ -1006,6 +1019,34 @@ class StructuredVI(Inference):
                 approx=self.approx,
                 iteration=iteration,
             )
+
+    def _shrink_start(self, cand_bound):
+        """Start again from q with a 10x smaller sd (before any step was accepted).
+
+        The default start (``start_sigma``, data-scaled) is wide, and Gauss-Hermite
+        nodes sit up to 5-7 sds out: a log density with NaN derivatives at large
+        rates (PyMC's ``HurdlePoisson`` above ``log rate = 6``) or a link that leaves
+        the parameter's support there (an identity-link Poisson) makes the start's
+        bound non-finite. A narrower start keeps the nodes inside.
+        """
+        k = self.kernel
+        factor = 10.0 if self.algorithm.parameterization == "precision" else 0.1
+        for s in range(k.nseg):
+            L = k.base_factor[s].get_value() * factor
+            k.base_factor[s].set_value(L)
+            k.cand_factor[s].set_value(L)
+            k.cand_mean[s].set_value(k.base_mean[s].get_value())
+        if k.hypers is not None:
+            k.hypers.reset()
+        if k.rayleighs is not None:
+            k.rayleighs.reset()
+        self._start_shrinks += 1
+        self._rejections = 0
+        logger.info(
+            "The bound is not finite at the start (%s); starting again with q's sd %gx smaller.",
+            cand_bound,
+            10.0**self._start_shrinks,
+        )
 
     def _converged(self, scores, gains, tol) -> bool:
         """Default stopping rule.

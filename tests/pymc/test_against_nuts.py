@@ -164,3 +164,24 @@ def test_ordered_logistic_with_learned_cutpoints():
         pm.OrderedLogistic("y", eta=X @ w, cutpoints=cut, observed=y)
     assert recognize(model).observed["y"] == "dense affine"
     _compare(model, "ordered_logistic", ["w"], "hmcssvi", mean_tol=0.15, sd_tol=0.15)
+
+
+@pytest.mark.parametrize("kind", ["identity_link_poisson", "hurdle_poisson"])
+def test_default_start_that_leaves_the_support_is_narrowed(kind, caplog):
+    """Quadrature nodes of the wide default start reach negative rates (identity link)
+    or rates where PyMC's HurdlePoisson has NaN derivatives: both stopped with
+    ``DivergenceError`` at the start. The start's sd is now divided by 10 until the
+    bound is finite (logged), and the fit matches NUTS."""
+    rng = np.random.default_rng(361)
+    x = rng.uniform(0, 1, 300) if kind == "identity_link_poisson" else rng.normal(size=400)
+    with pm.Model() as model:
+        if kind == "identity_link_poisson":
+            b0, b1 = pm.Normal("b0", 5.0, 3.0), pm.Normal("b1", 5.0, 3.0)
+            pm.Poisson("y", mu=b0 + b1 * x, observed=rng.poisson(3.0 + 5.0 * x))
+        else:
+            b0, b1 = pm.Normal("b0", 0.0, 3.0), pm.Normal("b1", 0.0, 1.0)
+            y = rng.poisson(np.exp(0.8 + 0.5 * x)) * (rng.uniform(size=400) < 0.6)
+            pm.HurdlePoisson("y", psi=0.6, mu=pm.math.exp(b0 + b1 * x), observed=y)
+    with caplog.at_level("INFO", logger="pymc_mcssvi"):
+        _compare(model, kind, ["b0", "b1"], "hmcssvi", mean_tol=0.1, sd_tol=0.1)
+    assert "not finite at the start" in caplog.text

@@ -312,6 +312,11 @@ class StructuredApproximation(Approximation):
         self.converged = None
         self.point_estimates: list[str] = []
         self.marginal_locals: list[str] = []
+        #: Zero-argument callables returning ``(value name, draws -> new draws)``
+        #: (see :func:`~pymc_mcssvi.pymc.locals.conditional_local_sampler`); built
+        #: on the first :meth:`sample`.
+        self.conditional_factories: list = []
+        self._conditional: list | None = None
 
     @property
     def ordering(self):
@@ -392,9 +397,16 @@ class StructuredApproximation(Approximation):
 
         def ordered(draws=100, *, random_seed=None):
             out = inner(draws, random_seed=random_seed)
+            for name, draw in self._conditional_samplers():
+                out[name] = draw(out)
             return {name: out[name] for name in order if name in out}
 
         return ordered
+
+    def _conditional_samplers(self):
+        if self._conditional is None or len(self._conditional) != len(self.conditional_factories):
+            self._conditional = [make() for make in self.conditional_factories]
+        return self._conditional
 
     def sample(self, draws=500, *, random_seed=None, return_inferencedata=True, **kwargs):
         """Draw from the approximation; see :meth:`pymc.variational.opvi.Approximation.sample`.

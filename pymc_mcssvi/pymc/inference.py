@@ -37,7 +37,7 @@ from pymc_mcssvi.algorithms.hyperparameters import (
     PointHyperparameters,
     unbatch_constant_split,
 )
-from pymc_mcssvi.algorithms.kernel import StepKernel
+from pymc_mcssvi.algorithms.kernel import MAX_COUPLED_HYPERS, StepKernel
 from pymc_mcssvi.algorithms.marginal import (
     AXIS_POINTS,
     EPS_GRID,
@@ -64,7 +64,12 @@ from pymc_mcssvi.pymc.approximation import (
     StructuredApproximation,
     StructuredGaussianGroup,
 )
-from pymc_mcssvi.pymc.locals import LocalGroup, initial_local_params, local_posteriors
+from pymc_mcssvi.pymc.locals import (
+    LocalGroup,
+    conditional_local_sampler,
+    initial_local_params,
+    local_posteriors,
+)
 from pymc_mcssvi.pymc.python_vm import (  # noqa: F401  (re-exported: older import path)
     python_step_mode,
     structure_rewrites,
@@ -456,7 +461,27 @@ class StructuredVI(Inference):
                 monotone,
                 rayleighs,
             )
+            self._warn_uncoupled_hypers()
             self._approx = self._make_approximation()
+
+    def _warn_uncoupled_hypers(self):
+        """Warn when too many mean-field hyperparameter coordinates switch off the joint
+        step and the linear-response view (:data:`MAX_COUPLED_HYPERS`)."""
+        hyp = self.kernel.hypers
+        if hyp is None or hyp.mode != "meanfield" or hyp.spec.size <= MAX_COUPLED_HYPERS:
+            return
+        if not (self.kernel.monotone and self.algorithm.parameterization == "precision"):
+            return
+        sizes = ", ".join(f"{h.name!r} ({h.size})" for h in self.tlm.hypers)
+        warnings.warn(
+            f"{hyp.spec.size} hyperparameter coordinates ({sizes}) exceed {MAX_COUPLED_HYPERS}: "
+            "their steps are not coupled with q(w)'s and the linear-response correction is off, "
+            "so the fit may take many iterations and the posterior sds of the Gaussian variables "
+            "can be too narrow. Give per-group parameters a Normal prior (a non-centered "
+            "`sigma * z`) where the model allows, or use hyper='point'.",
+            UserWarning,
+            stacklevel=4,
+        )
 
     # ------------------------------------------------------------------ set-up
     def _make_algorithm(self, mean_optimizer, factor_optimizer):
@@ -880,6 +905,18 @@ class StructuredVI(Inference):
             with pytensor.config.change_flags(mode=HELPER_MODE):
                 local_posteriors(self.model, self.approx, self.tlm.locals, self._local_params)
             self.approx.marginal_locals = [lc.name for lc in self.tlm.locals]
+            if not self.approx.conditional_factories:
+                self.approx.conditional_factories = [
+                    functools.partial(
+                        conditional_local_sampler,
+                        self.model,
+                        lc,
+                        self.tlm.locals,
+                        self._local_params,
+                    )
+                    for lc in self.tlm.locals
+                    if lc.kind == "gaussian"
+                ]
         return self.approx
 
     def _fit_hyper_marginal(self):

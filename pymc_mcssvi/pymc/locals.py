@@ -11,8 +11,13 @@ marginal posterior under q, computed once after the fit by averaging
 * discrete local: the posterior probabilities ``E_q[p(z_i = k | w, y_i)]``,
   drawn by inverse CDF.
 
-Draws of locals are therefore independent of the draws of the globals (their
-correlation is not kept) and are flagged in ``posterior.attrs["marginal_locals"]``.
+A Gaussian local's draws in ``approx.sample()`` are then made conditional on
+the same draw of the globals (:func:`conditional_local_sampler`): its mean and
+sd given ``w`` come from the inner quadrature, and the marginal draw's standard
+normal deviate is reused (exact for a Gaussian likelihood; a non-centered
+``theta = mu + tau * z`` keeps its spread). Discrete locals are drawn from their
+marginals, independently of the globals. Locals are flagged in
+``posterior.attrs["marginal_locals"]``.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from pymc_mcssvi.recognize.graph import as_float, remove_checks
 from pymc_mcssvi.recognize.roles import dist_params
 from pymc_mcssvi.recognize.stabilize import stable_logp
 
-__all__ = ["LocalGroup", "local_posteriors"]
+__all__ = ["LocalGroup", "conditional_local_sampler", "local_posteriors"]
 
 
 @Group.register
@@ -162,6 +167,62 @@ def _draw_average(values, outputs, samples, names, draws, per_draw):
     return [a / draws for a in acc]
 
 
+def _gaussian_local_moments(model, lc, n_inner):
+    """Graphs of the mean and second moment of Gaussian local ``lc`` given the other
+    free variables' values (inner Gauss-Hermite quadrature of its observed's likelihood)."""
+    obs = model[lc.observed]
+    # Stable, ufunc-only form: PyTensor's scalar softplus runs a Python call per element.
+    logp_y = stable_logp(remove_checks(model.logp(vars=[obs], sum=False)[0]))
+    loc, scale = (
+        pt.broadcast_to(as_float(p), lc.shape)
+        for p in model.replace_rvs_by_values(dist_params(lc.rv))
+    )
+    u, v = gauss_hermite(n_inner)
+    u = pt.constant(u.reshape((-1,) + (1,) * len(lc.shape)))
+    logv = pt.constant(np.log(v).reshape((-1,) + (1,) * len(lc.shape)))
+    nodes = loc[None] + scale[None] * u
+    ll = logv + vectorize_graph(logp_y, {lc.value: nodes})
+    wts = pt.exp(ll - pt.logsumexp(ll, axis=0, keepdims=True))
+    return pt.sum(wts * nodes, axis=0), pt.sum(wts * pt.square(nodes), axis=0)
+
+
+def conditional_local_sampler(model, lc, locals_, params, n_inner=40):
+    """``draws -> draws`` replacing Gaussian local ``lc``'s marginal draws by draws given
+    the globals of the same draw.
+
+    The returned function takes the dict of draws by value-variable name (as
+    ``approx.sample_dict_fn`` gives them) and returns ``lc``'s new draws: the
+    conditional mean plus the conditional sd times the standard normal deviate
+    of the marginal draw.
+    """
+    local_rvs = {x.rv for x in locals_}
+    others = [rv for rv in model.free_RVs if rv not in local_rvs]
+    values = [model.rvs_to_values[rv] for rv in others]
+    names = [v.name for v in values]
+    m1, m2 = _gaussian_local_moments(model, lc, n_inner)
+    batched = [pt.tensor(dtype=v.dtype, shape=(None, *v.type.shape), name=v.name) for v in values]
+    outs = vectorize_graph([m1, m2], dict(zip(values, batched, strict=True)))
+    fn = pytensor.function(batched, outs, mode="FAST_COMPILE", on_unused_input="ignore")
+    n = int(np.prod(lc.shape)) if len(lc.shape) else 1
+    size = int(max(1, BATCH_ELEMENTS // max(n_inner * n, 1)))
+    name = lc.value.name
+
+    def draw(samples):
+        marginal = np.asarray(samples[name], dtype="float64")
+        mean = params[lc.name]["mean"].get_value()
+        sd = params[lc.name]["sd"].get_value()
+        eps = np.where(sd > 0, (marginal - mean) / np.where(sd > 0, sd, 1.0), 0.0)
+        out = np.empty_like(marginal)
+        with np.errstate(all="ignore"):
+            for lo in range(0, marginal.shape[0], size):
+                a, b = fn(*[np.asarray(samples[nm][lo : lo + size]) for nm in names])
+                cond_sd = np.sqrt(np.maximum(b - a**2, 0.0))
+                out[lo : lo + size] = a + cond_sd * eps[lo : lo + size]
+        return out.astype(samples[name].dtype)
+
+    return name, draw
+
+
 def local_posteriors(model, approx, locals_, params, draws=200, n_inner=40, random_seed=0):
     """Fill ``params`` with the marginal posteriors of the locals under ``approx``."""
     others = [rv for rv in model.free_RVs if rv not in {lc.rv for lc in locals_}]
@@ -190,18 +251,7 @@ def local_posteriors(model, approx, locals_, params, draws=200, n_inner=40, rand
             probs = np.asarray(acc).reshape(lc.support, -1).T
             params[lc.name]["probs"].set_value(probs / probs.sum(axis=1, keepdims=True))
         else:
-            loc, scale = (
-                pt.broadcast_to(as_float(p), lc.shape)
-                for p in model.replace_rvs_by_values(dist_params(lc.rv))
-            )
-            u, v = gauss_hermite(n_inner)
-            u = pt.constant(u.reshape((-1,) + (1,) * len(lc.shape)))
-            logv = pt.constant(np.log(v).reshape((-1,) + (1,) * len(lc.shape)))
-            nodes = loc[None] + scale[None] * u
-            ll = logv + vectorize_graph(logp_y, {lc.value: nodes})
-            wts = pt.exp(ll - pt.logsumexp(ll, axis=0, keepdims=True))
-            m1 = pt.sum(wts * nodes, axis=0)
-            m2 = pt.sum(wts * pt.square(nodes), axis=0)
+            m1, m2 = _gaussian_local_moments(model, lc, n_inner)
             mean, second = _draw_average(values, [m1, m2], samples, names, draws, n_inner * n)
             mean, second = np.asarray(mean), np.asarray(second)
             params[lc.name]["mean"].set_value(mean)

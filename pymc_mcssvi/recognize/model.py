@@ -301,7 +301,14 @@ def _scaling(model, obs) -> str:
 
 # ------------------------------------------------------------------ prior terms
 def _prior_term(model, g: GaussianGlobal, gvalues, gshapes):
-    """Gaussian prior of ``g`` as a whitened residual plus its normalizer."""
+    """Gaussian prior of ``g`` as a whitened residual plus its normalizer.
+
+    A non-Gaussian prior on the real line (``g.prior`` not ``"normal"`` or
+    ``"mvnormal"``) becomes a predictor term in ``g`` with its own log density,
+    whose expectations the bound computes by quadrature.
+    """
+    if g.prior not in ("normal", "mvnormal"):
+        return _non_gaussian_prior_term(model, g, gvalues, gshapes)
     params = model.replace_rvs_by_values(dist_params(g.rv))
     value = g.value
     if g.prior == "normal":
@@ -336,6 +343,18 @@ def _prior_term(model, g: GaussianGlobal, gvalues, gshapes):
         kind="prior",
     )
     return term, ConstantTerm(f"normalizer of {g.name}", const)
+
+
+def _non_gaussian_prior_term(model, g: GaussianGlobal, gvalues, gshapes):
+    """``log p(g | ...)`` entrywise, as a predictor term (and a zero normalizer)."""
+    logp = remove_checks(model.logp(vars=[g.rv], jacobian=False, sum=False)[0])
+    term = likelihood_term(f"prior of {g.name}", logp, gvalues, gshapes)
+    if term is None:  # pragma: no cover - roles guarantee an affine location
+        raise UnsupportedModelError(
+            g.name, f"its {g.prior} prior is not a function of one affine predictor entrywise"
+        )
+    term.kind = "prior"
+    return term, ConstantTerm(f"normalizer of {g.name}", pt.constant(0.0))
 
 
 def _check_marginal_finite(logp, lc, obs, point):

@@ -33,7 +33,15 @@ from pymc.distributions.timeseries import (
 )
 from pymc.variational.minibatch_rv import MinibatchRandomVariable
 from pytensor.graph.basic import Constant
-from pytensor.tensor.random.basic import BernoulliRV, CategoricalRV, NormalRV
+from pytensor.tensor.random.basic import (
+    BernoulliRV,
+    CategoricalRV,
+    CauchyRV,
+    LaplaceRV,
+    LogisticRV,
+    NormalRV,
+    StudentTRV,
+)
 
 from pymc_mcssvi.distributions import RayleighRV
 from pymc_mcssvi.exceptions import UnsupportedModelError
@@ -201,12 +209,38 @@ def _demote_likelihood_scales(model, cand, values, vshape, params, local_rvs, de
         for i, d in enumerate(deps):
             if i != main:
                 for c in d - deps[main]:
-                    scale_only.setdefault(c, obs.name)
-    for c, obs_name in scale_only.items():
+                    scale_only.setdefault(c, (obs.name, i < main))
+    for c, (obs_name, before_main) in scale_only.items():
         # Only scalars: a vector of scale coefficients (heteroskedastic regression) keeps
         # its Gaussian posterior through the Monte Carlo + autodiff path.
         if c in cand and size[c] == 1 and c not in main_users and c not in in_location:
-            demote(c, f"sets the scale or shape of {obs_name!r}")
+            # distribution parameters come location first: a parameter before the main
+            # predictor's is the location (the main predictor then sits in the scale)
+            what = "the mean" if before_main else "the scale or shape"
+            demote(
+                c,
+                f"sets {what} of {obs_name!r}, whose larger predictor is in another parameter",
+            )
+
+
+#: Priors on the real line, not Gaussian, whose variables still get the Gaussian q:
+#: op -> (family name, index of the location among the distribution parameters). Their
+#: log density enters the bound as a one-dimensional term in the variable (quadrature),
+#: like a likelihood (robust effects ``a ~ StudentT(nu, 0, sigma)``, Laplace shrinkage).
+NON_GAUSSIAN_PRIORS = {
+    StudentTRV: ("studentt", 1),
+    LaplaceRV: ("laplace", 0),
+    CauchyRV: ("cauchy", 0),
+    LogisticRV: ("logistic", 0),
+}
+
+
+def _loc_and_others(rv, ps):
+    """The location parameter of ``rv``'s prior and its other parameters."""
+    op, _ = base_op(rv)
+    spec = NON_GAUSSIAN_PRIORS.get(type(op))
+    i = 0 if spec is None else spec[1]
+    return ps[i], [p for j, p in enumerate(ps) if j != i]
 
 
 def assign_roles(model) -> Roles:
@@ -255,6 +289,8 @@ def assign_roles(model) -> Roles:
             cand[rv] = "mvnormal"
         elif isinstance(op, NormalRV):
             cand[rv] = "normal"
+        elif type(op) in NON_GAUSSIAN_PRIORS:
+            cand[rv] = NON_GAUSSIAN_PRIORS[type(op)][0]
     shapes = {values[rv]: vshape[rv] for rv in cand}
     reasons: dict = {}
 
@@ -271,7 +307,7 @@ def assign_roles(model) -> Roles:
         for rv in free:
             ps = params[rv]
             if rv in cand:
-                loc, scales = ps[0], ps[1:]
+                loc, scales = _loc_and_others(rv, ps)
                 others = {v for v in cvals if v is not values[rv]}
                 hit = [cvals[v] for v in others if any(depends_on_any(s, [v]) for s in scales)]
                 for c in hit:

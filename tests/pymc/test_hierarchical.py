@@ -198,3 +198,17 @@ def test_lkj_covariance_hyperparameters_get_point_estimates_by_default():
     assert np.isfinite(post["ab"].values).all()
     with model, pytest.raises(UnsupportedModelError, match="hyper='point'"):
         pymc_mcssvi.HMCSSVI(hyper="meanfield")
+
+
+def test_too_many_hyperparameter_coordinates_are_announced():
+    """Above MAX_COUPLED_HYPERS mean-field coordinates the joint step and the linear
+    response are off; the user is told which variables and what to do."""
+    rng = np.random.default_rng(3)
+    g = np.repeat(np.arange(18), 6)
+    y = rng.normal(0.5, 1.0 + 0.05 * g)
+    with pm.Model():
+        b0 = pm.Normal("b0", 0, 5)
+        sigma_y = pm.HalfNormal("sigma_y", 1, shape=18)
+        pm.Normal("y", b0, sigma_y[g], observed=y)
+        with pytest.warns(UserWarning, match=r"18 hyperparameter coordinates \('sigma_y' \(18\)\)"):
+            pymc_mcssvi.HMCSSVI(random_seed=0)

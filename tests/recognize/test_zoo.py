@@ -18,6 +18,8 @@ from __future__ import annotations
 import re
 import warnings
 
+import numpy as np
+import pymc as pm
 import pytest
 from pymc.variational.opvi import VariationalInferenceError
 
@@ -137,6 +139,11 @@ ZOO: dict[str, dict] = {
         roles={"w": GAUSS, "v": GAUSS},
         predictor={"y": "general"},
         q={"w": "full (6 x 6) with v", "v": "full (6 x 6) with w"},
+    ),
+    # A Laplace prior on the real line: a Gaussian global whose prior is a quadrature term
+    # (it was "no Gaussian global" before non-Gaussian priors were supported).
+    "laplace_coefficients": dict(
+        roles={"w": GAUSS}, predictor={"y": "dense affine"}, q={"w": "full (3 x 3)"}
     ),
     # A scalar Normal log noise scale is a hyperparameter, like a HalfNormal sigma would be,
     # so the likelihood keeps its single affine predictor.
@@ -578,7 +585,6 @@ def test_cov_override_unknown_structure(cov):
 # ------------------------------------------------------------------ errors
 ERRORS = [
     ("gamma_poisson", "lam", "no Gaussian"),
-    ("laplace_coefficients", "w", "no Gaussian"),
     ("gaussian_latent_only", "f", "no Gaussian"),
     ("missing_observed", "y", "missing values"),
     ("nan_design_matrix", "y", "contains NaN values"),
@@ -618,3 +624,18 @@ def test_largest_zoo_model_recognition():
 
 def test_zoo_size():
     assert len(ZOO) + len(ERRORS) + 1 >= 35  # + minibatch_no_total_size
+
+
+def test_mean_coefficients_beside_a_larger_scale_predictor_are_described_as_such():
+    """Group-level log scales (12 Gaussian coordinates in the likelihood's sd) make the
+    scale the main predictor; the two mean coefficients become hyperparameters, and their
+    note says they set the mean (it said "scale or shape")."""
+    rng = np.random.default_rng(317)
+    g, x = rng.integers(0, 12, 200), rng.normal(size=200)
+    with pm.Model() as model:
+        b0 = pm.Normal("b0", 0.0, 5.0)
+        b1 = pm.Normal("b1", 0.0, 2.0)
+        log_s = pm.Normal("log_s", pm.Normal("mu_ls", 0, 1), pm.HalfNormal("tau_ls", 1), shape=12)
+        pm.Normal("y", b0 + b1 * x, pm.math.exp(log_s)[g], observed=rng.normal(size=200))
+    notes = {r["name"]: r["note"] for r in pymc_mcssvi.describe(model).variables}
+    assert "sets the mean of 'y'" in notes["b0"] and "sets the mean of 'y'" in notes["b1"]

@@ -324,6 +324,23 @@ class _Linearizer:
                 return None
             off = None if b.offset is None else node.op(ins[0], b.offset)
             return AffineForm(var.ndim, off, [_pad_left(t, var.ndim) for t in b.terms])
+        if isinstance(sop, ps.Switch):
+            # switch(c, a, b) with c free of the globals: c a + (1 - c) b, row by row
+            # (piecewise designs: pm.math.switch(x < k, b_lo * x, b_hi * x))
+            if dep[0] or not var.dtype.startswith("float"):
+                return None
+            fa, fb = self(ins[1]), self(ins[2])
+            if fa is None or fb is None:
+                return None
+            c = pt.cast(ins[0], var.dtype)
+            terms = [_pad_left(t, var.ndim).scaled(c) for t in fa.terms]
+            terms += [_pad_left(t, var.ndim).scaled(1.0 - c) for t in fb.terms]
+            off = None
+            if fa.offset is not None or fb.offset is not None:
+                oa = 0.0 if fa.offset is None else fa.offset
+                ob = 0.0 if fb.offset is None else fb.offset
+                off = pt.switch(ins[0], oa, ob)
+            return AffineForm(var.ndim, off, terms)
         if isinstance(sop, ps.Identity | ps.Cast):
             if not var.dtype.startswith("float"):
                 return None

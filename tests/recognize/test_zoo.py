@@ -639,3 +639,16 @@ def test_mean_coefficients_beside_a_larger_scale_predictor_are_described_as_such
         pm.Normal("y", b0 + b1 * x, pm.math.exp(log_s)[g], observed=rng.normal(size=200))
     notes = {r["name"]: r["note"] for r in pymc_mcssvi.describe(model).variables}
     assert "sets the mean of 'y'" in notes["b0"] and "sets the mean of 'y'" in notes["b1"]
+
+
+def test_piecewise_switch_on_data_is_an_affine_predictor():
+    """``pm.math.switch`` on a data condition between two affine expressions (a broken-stick
+    regression) is affine row by row; it went through the Monte Carlo + autodiff path (14 s
+    against 1.4 s, same accuracy, in the held-out battery)."""
+    rng = np.random.default_rng(348)
+    x = rng.uniform(-2, 2, 100)
+    with pm.Model() as model:
+        b0, b_lo, b_hi = (pm.Normal(n, 0.0, 2.0) for n in ("b0", "b_lo", "b_hi"))
+        mu = b0 + pm.math.switch(x < 0, b_lo * x, b_hi * x)
+        pm.Normal("y", mu, pm.HalfNormal("sigma", 1.0), observed=rng.normal(size=100))
+    assert pymc_mcssvi.describe(model).predictor("y") == "dense affine"

@@ -124,22 +124,26 @@ def expected_derivatives(
     if method == "quadrature":
         z, w = gauss_hermite(int(n_points))
         z = pt.constant(z.reshape((-1,) + (1,) * mean.ndim))
-        points = mean[None] + sd[None] * z
-        vals = vectorize_graph(list(graphs), {placeholder: points})
-        if stein:
-            vals = _stein_values(vals[0], graphs[0], placeholder, mean, sd, z, need_hessian)
-        # l has the shape of logp, l' and l'' that of the predictor.
-        out = [pt.tensordot(pt.constant(w), v, axes=[[0], [0]]) for v in vals]
+        w = pt.constant(w)
+
+        def average(v):
+            return pt.tensordot(w, v, axes=[[0], [0]])
+
     elif method == "mc":
         shape = (int(n_points), *[mean.shape[i] for i in range(mean.ndim)])
         z = pt.random.normal(size=shape, rng=rng)
-        points = mean[None] + sd[None] * z
-        vals = vectorize_graph(list(graphs), {placeholder: points})
-        if stein:
-            vals = _stein_values(vals[0], graphs[0], placeholder, mean, sd, z, need_hessian)
-        out = [pt.mean(v, axis=0) for v in vals]
+
+        def average(v):
+            return pt.mean(v, axis=0)
+
     else:
         raise ValueError(f"method must be 'quadrature' or 'mc', got {method!r}")
+    points = mean[None] + sd[None] * z
+    vals = vectorize_graph(list(graphs), {placeholder: points})
+    if stein:
+        vals = _stein_values(vals[0], graphs[0], placeholder, mean, sd, z, need_hessian)
+    # l has the shape of logp, l' and l'' that of the predictor.
+    out = [average(v) for v in vals]
     if not need_hessian:
         out.append(None)
     return tuple(out)

@@ -148,6 +148,29 @@ def initial_local_params(locals_):
 BATCH_ELEMENTS = 2_000_000
 
 
+def _over_draws(values, outputs, summed):
+    """``outputs`` (graphs of ``values``) vectorized over a leading draws axis and
+    compiled, summed over that axis if ``summed``; and the number of draws per call
+    that keeps a batch near :data:`BATCH_ELEMENTS` (``per_draw -> draws``)."""
+    batched = [pt.tensor(dtype=v.dtype, shape=(None, *v.type.shape), name=v.name) for v in values]
+    outs = vectorize_graph(outputs, dict(zip(values, batched, strict=True)))
+    if summed:
+        outs = [pt.sum(o, axis=0) for o in outs]
+    return pytensor.function(batched, outs, mode="FAST_COMPILE", on_unused_input="ignore")
+
+
+def _batch_draws(per_draw: int) -> int:
+    """Draws per call so that one batch holds about :data:`BATCH_ELEMENTS` elements."""
+    return int(max(1, BATCH_ELEMENTS // max(per_draw, 1)))
+
+
+def _observed_logp(model, lc):
+    """Elementwise log likelihood of the observed variable local ``lc`` belongs to."""
+    obs = model[lc.observed]
+    # Stable, ufunc-only form: PyTensor's scalar softplus runs a Python call per element.
+    return stable_logp(remove_checks(model.logp(vars=[obs], sum=False)[0]))
+
+
 def _draw_average(values, outputs, samples, names, draws, per_draw):
     """Average ``outputs`` (graphs of ``values``) over the ``draws`` rows of ``samples``.
 
@@ -155,11 +178,8 @@ def _draw_average(values, outputs, samples, names, draws, per_draw):
     of about :data:`BATCH_ELEMENTS` elements (``per_draw`` elements per draw), one
     call per batch rather than one per draw.
     """
-    batched = [pt.tensor(dtype=v.dtype, shape=(None, *v.type.shape), name=v.name) for v in values]
-    outs = vectorize_graph(outputs, dict(zip(values, batched, strict=True)))
-    sums = [pt.sum(o, axis=0) for o in outs]
-    fn = pytensor.function(batched, sums, mode="FAST_COMPILE", on_unused_input="ignore")
-    size = int(max(1, min(draws, BATCH_ELEMENTS // max(per_draw, 1))))
+    fn = _over_draws(values, outputs, summed=True)
+    size = min(draws, _batch_draws(per_draw))
     acc = [0.0] * len(outputs)
     for lo in range(0, draws, size):
         res = fn(*[np.asarray(samples[n][lo : lo + size]) for n in names])
@@ -170,9 +190,7 @@ def _draw_average(values, outputs, samples, names, draws, per_draw):
 def _gaussian_local_moments(model, lc, n_inner):
     """Graphs of the mean and second moment of Gaussian local ``lc`` given the other
     free variables' values (inner Gauss-Hermite quadrature of its observed's likelihood)."""
-    obs = model[lc.observed]
-    # Stable, ufunc-only form: PyTensor's scalar softplus runs a Python call per element.
-    logp_y = stable_logp(remove_checks(model.logp(vars=[obs], sum=False)[0]))
+    logp_y = _observed_logp(model, lc)
     loc, scale = (
         pt.broadcast_to(as_float(p), lc.shape)
         for p in model.replace_rvs_by_values(dist_params(lc.rv))
@@ -199,12 +217,9 @@ def conditional_local_sampler(model, lc, locals_, params, n_inner=40):
     others = [rv for rv in model.free_RVs if rv not in local_rvs]
     values = [model.rvs_to_values[rv] for rv in others]
     names = [v.name for v in values]
-    m1, m2 = _gaussian_local_moments(model, lc, n_inner)
-    batched = [pt.tensor(dtype=v.dtype, shape=(None, *v.type.shape), name=v.name) for v in values]
-    outs = vectorize_graph([m1, m2], dict(zip(values, batched, strict=True)))
-    fn = pytensor.function(batched, outs, mode="FAST_COMPILE", on_unused_input="ignore")
+    fn = _over_draws(values, list(_gaussian_local_moments(model, lc, n_inner)), summed=False)
     n = int(np.prod(lc.shape)) if len(lc.shape) else 1
-    size = int(max(1, BATCH_ELEMENTS // max(n_inner * n, 1)))
+    size = _batch_draws(n_inner * n)
     name = lc.value.name
 
     def draw(samples):
@@ -231,11 +246,9 @@ def local_posteriors(model, approx, locals_, params, draws=200, n_inner=40, rand
     samples = sample_fn(draws, random_seed=random_seed)
     values = [model.rvs_to_values[rv] for rv in others]
     for lc in locals_:
-        obs = model[lc.observed]
-        # Stable, ufunc-only form: PyTensor's scalar softplus runs a Python call per element.
-        logp_y = stable_logp(remove_checks(model.logp(vars=[obs], sum=False)[0]))
         n = int(np.prod(lc.shape)) if len(lc.shape) else 1
         if lc.kind == "discrete":
+            logp_y = _observed_logp(model, lc)
             logp_z = remove_checks(model.logp(vars=[lc.rv], sum=False)[0])
             ks = pt.broadcast_to(
                 pt.constant(

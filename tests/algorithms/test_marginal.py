@@ -65,6 +65,21 @@ def _lmm(rng, G=10, n=120, sd_a=0.25):
     return g, x, y
 
 
+def _lmm_model(g, x, y, G, centered):
+    """The Gaussian LMM of :func:`_lmm` (``a = sd_a * z`` a Deterministic when non-centered)."""
+    with pm.Model() as m:
+        b0 = pm.Normal("b0", 0, 5)
+        b1 = pm.Normal("b1", 0, 2.5)
+        sd_a = pm.HalfNormal("sd_a", 1)
+        sigma = pm.HalfNormal("sigma", 1)
+        if centered:
+            a = pm.Normal("a", 0, sd_a, shape=G)
+        else:
+            a = pm.Deterministic("a", sd_a * pm.Normal("z", 0, 1, shape=G))
+        pm.Normal("y", b0 + b1 * x + a[g], sigma, observed=y)
+    return m
+
+
 def _exact_mean_of_scale(g, x, y, G):
     """E[sd_a | y] from the closed-form marginal likelihood on a grid of (log sd_a, log sigma)."""
     n = len(y)
@@ -97,16 +112,7 @@ def test_group_scale_mean_against_the_exact_marginal(centered, rng):
     G = 10
     g, x, y = _lmm(rng, G=G)
     exact = _exact_mean_of_scale(g, x, y, G)
-    with pm.Model() as m:
-        b0 = pm.Normal("b0", 0, 5)
-        b1 = pm.Normal("b1", 0, 2.5)
-        sd_a = pm.HalfNormal("sd_a", 1)
-        sigma = pm.HalfNormal("sigma", 1)
-        if centered:
-            a = pm.Normal("a", 0, sd_a, shape=G)
-        else:
-            a = sd_a * pm.Normal("z", 0, 1, shape=G)
-        pm.Normal("y", b0 + b1 * x + a[g], sigma, observed=y)
+    m = _lmm_model(g, x, y, G, centered)
     means = {}
     for hm in ("profile", "gaussian"):
         with m:
@@ -160,22 +166,10 @@ def test_effect_sds_with_few_groups_against_the_exact_posterior(centered):
     exact sd). Averaging q(w | h)'s covariance over the profile points, with each draw's
     noise scaled to its h, brings the intercept, slope and every effect (``sd_a * z`` in the
     non-centered model) within 6% (measured 0.98-1.02)."""
-    rng = np.random.default_rng(0)
-    G, n = 6, 60
-    g = np.concatenate([np.arange(G), rng.integers(0, G, n - G)])
-    x = rng.normal(size=n)
-    y = 0.5 + 0.3 * x + rng.normal(0, 0.6, G)[g] + rng.normal(0, 1.0, n)
+    G = 6
+    g, x, y = _lmm(np.random.default_rng(0), G=G, n=60, sd_a=0.6)
     exact = _exact_moments_given_grid(g, x, y, G)
-    with pm.Model() as m:
-        b0 = pm.Normal("b0", 0, 5)
-        b1 = pm.Normal("b1", 0, 2.5)
-        sd_a = pm.HalfNormal("sd_a", 1)
-        sigma = pm.HalfNormal("sigma", 1)
-        if centered:
-            a = pm.Normal("a", 0, sd_a, shape=G)
-        else:
-            a = pm.Deterministic("a", sd_a * pm.Normal("z", 0, 1, shape=G))
-        pm.Normal("y", b0 + b1 * x + a[g], sigma, observed=y)
+    m = _lmm_model(g, x, y, G, centered)
     ratios = {}
     for hm in ("profile", "gaussian"):
         with m:

@@ -152,6 +152,24 @@ class StepKernel:
             self.hypers.base if which == "base" else self.hypers.cand
         )
 
+    def _next_phase_only(self):
+        """The phase whose factor alone needs ``g`` and ``H`` at the candidate, or ``None``.
+
+        A stochastic kernel accepts every finite candidate, so after a step of
+        one factor of a matrix factorization only the factor that moves next
+        needs its derivatives (a monotone one also needs this phase's value).
+        Not where hyperparameters enter the bilinear terms (learned ordinal
+        cutpoints): their derivatives would pass through the conditional, and
+        their sigma-point average would batch it (a batched conditional
+        computes both sides).
+        """
+        n_phases = len(getattr(self.bound, "phase_segments", [None]))
+        if n_phases < 2 or self.monotone:
+            return None
+        if self.hypers is not None and self.bound.bilinear.depends_on(self.hypers.spec.values):
+            return None
+        return (self.phase + 1) % n_phases
+
     def build(self):
         """Outputs ``[base_bound, cand_bound, accepted, rho]`` and the shared-variable updates.
 
@@ -161,7 +179,7 @@ class StepKernel:
         """
         alg = self.algorithm
         cand = [GaussianBlocks(m, f) for m, f in zip(self.cand_mean, self.cand_factor, strict=True)]
-        ev = self.bound.evaluate(cand)
+        ev = self.bound.evaluate(cand, phase=self._next_phase_only())
         nph = len(ev.phase_values)
         outs = [ev.value, *ev.phase_values, *ev.grads, *ev.hessians]
         nv = 1 + nph

@@ -153,9 +153,18 @@ class StructuredBound:
         return [g.moments(means, covs, g.prepare())[1] for g in self.geometries]
 
     def evaluate(
-        self, states: list[GaussianBlocks], need_derivatives: bool = True, need_hessian: bool = True
+        self,
+        states: list[GaussianBlocks],
+        need_derivatives: bool = True,
+        need_hessian: bool = True,
+        phase=None,
     ):
         """Build the bound and its natural-gradient ingredients for ``states``.
+
+        ``phase`` (symbolic integer, matrix factorizations only) computes the
+        bilinear terms for that phase's factor only (see
+        :meth:`BilinearEstimator.expectations`): the other factor's ``g`` and
+        ``H`` from those terms are zero and every phase value is that phase's.
 
         Returns
         -------
@@ -210,7 +219,7 @@ class StructuredBound:
             hessians = [_add(a, b) for a, b in zip(hessians, H_gen, strict=True)]
         T_phase = None
         if self.bilinear.active:
-            T_v, T_u, g_bil, H_bil = self.bilinear.expectations(states, covs, need_hessian)
+            T_v, T_u, g_bil, H_bil = self.bilinear.expectations(states, covs, need_hessian, phase)
             T_phase = [T_v, T_u]
             if need_derivatives:
                 grads = [_add(a, b) for a, b in zip(grads, g_bil, strict=True)]

@@ -308,7 +308,8 @@ class StructuredVI(Inference):
         Matrix factorization: in each iteration every row of the factor being
         updated uses at most this many of its observations, a fresh random
         subset weighted by ``|O_j| / |M_j|`` (the paper's per-row subsampling for
-        dense rows). The bound estimate is then stochastic, so the default
+        dense rows; a window at a random start in a once-shuffled order of the
+        row's observations, so each is used with probability ``|M_j| / |O_j|``). The bound estimate is then stochastic, so the default
         schedule is ``"power"`` and convergence is judged on windowed averages,
         as with ``pm.Minibatch``.
     linear_response : bool, default True

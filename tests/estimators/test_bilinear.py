@@ -207,3 +207,45 @@ def test_heavy_row_subsampling_stays_stable():
     f = (Um[r[te]] * Vm[c[te]]).sum(-1)
     nll = -np.mean(np.where(y[te] == 1, log_expit(f), log_expit(-f)))
     assert max(np.abs(Um).max(), np.abs(Vm).max()) < 4 and nll < 0.75, (nll,)
+
+
+def _step_has_ifelse(inf):
+    nodes = inf._step_function().maker.fgraph.apply_nodes
+    return any(getattr(n.op, "name", None) == "bilinear_side" for n in nodes)
+
+
+@pytest.mark.parametrize("likelihood", ["bernoulli", "ordinal"])
+def test_stochastic_steps_compute_only_the_moving_factor(rng, monkeypatch, likelihood):
+    """With row subsampling every finite candidate is accepted, so a step needs the
+    derivatives of the factor that moves next only; skipping the other side must leave
+    the trajectory unchanged (same random subsets). Learned cutpoints enter the
+    bilinear terms and keep both sides."""
+    from pymc_mcssvi.algorithms.kernel import StepKernel
+    from pymc_mcssvi.models import pmf
+
+    R, C, K, n = 30, 20, 3, 300
+    r, c = rng.integers(0, R, n), rng.integers(0, C, n)
+    f = (rng.normal(size=(R, K))[r] * rng.normal(size=(C, K))[c]).sum(-1)
+    if likelihood == "ordinal":
+        y = np.digitize(f + rng.logistic(size=n), [-1.0, 0.0, 1.0])
+        kw = dict(likelihood="ordinal", n_levels=4, cutpoints=[-1.0, 0.0, 1.0])
+    else:
+        y = rng.binomial(1, expit(f))
+        kw = {}
+
+    def fit(one_side, **extra):
+        if not one_side:
+            monkeypatch.setattr(StepKernel, "_next_phase_only", lambda self: None)
+        with pmf(r, c, y, R, C, K, **{**kw, **extra}):
+            inf = pymc_mcssvi.HMCSSVI(random_seed=3, row_subsample=4)
+            approx = inf.fit(30, progressbar=False)
+        monkeypatch.undo()
+        return inf, approx.mean.eval()
+
+    inf_one, one = fit(True)
+    inf_both, both = fit(False)
+    assert _step_has_ifelse(inf_one) and not _step_has_ifelse(inf_both)
+    np.testing.assert_allclose(one, both, rtol=1e-10, atol=1e-12)
+    if likelihood == "ordinal":
+        learned, _ = fit(True, cutpoints=None)
+        assert not _step_has_ifelse(learned)

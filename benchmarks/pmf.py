@@ -967,27 +967,28 @@ def sigma_points(K):
     return np.concatenate([half, -half])
 
 
-def row_layout(rows, R):
-    """Observations grouped by row (computed once, as the plugin does at construction)."""
+def row_layout(rows, R, seed=0):
+    """Observations grouped by row, in a random order within each row (computed once, as
+    the plugin does at construction)."""
     counts = np.bincount(rows, minlength=R)
-    order = np.argsort(rows, kind="stable")
+    order = np.lexsort((np.random.default_rng(seed).random(len(rows)), rows))
     starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
     return order, counts, starts
 
 
 def row_subsample_ids(layout, B, rng):
     """The plugin's per-row subsampling in NumPy: for every row at most ``B`` of its observations
-    (uniform keys sorted per row, padding last), weights ``|O_j| / |M_j|`` (0 for padding).
+    (a window of ``B`` consecutive ones, cyclically, at a uniformly random start in the row's
+    shuffled order; padding last), weights ``|O_j| / |M_j|`` (0 for padding).
 
     Returns ``(obs, weight)`` of length ``rows * min(B, max count)``, grouped by row."""
     order, counts, starts = layout
     R = len(counts)
-    width = int(max(counts.max(), 1))
-    Bc = min(int(B), width)
-    keys = rng.random((R, width))
-    keys[np.arange(width)[None, :] >= counts[:, None]] = 2.0
-    pos = np.argsort(keys, axis=1)[:, :Bc]
-    valid = pos < counts[:, None]
+    Bc = min(int(B), int(max(counts.max(), 1)))
+    n = np.maximum(counts, 1)[:, None]
+    first = np.floor(rng.random(R)[:, None] * n).astype(np.int64)
+    pos = (first + np.arange(Bc)[None, :]) % n
+    valid = np.arange(Bc)[None, :] < counts[:, None]
     obs = order[np.minimum(starts[:, None] + pos, len(order) - 1)]
     w = np.where(counts > 0, counts / np.maximum(np.minimum(counts, Bc), 1), 0.0)
     return obs.reshape(-1), np.where(valid, w[:, None], 0.0).reshape(-1), Bc
@@ -1947,10 +1948,11 @@ def render(results, plot_rel=PLOT_REL):
             "`g = abar m + A (E^T alpha / a)` and `H = bbar m m^T + m w^T + w m^T + A diag(gamma) A^T`, per-row sums "
             "(`np.add.at`, `np.bincount` per entry, or a reshape-sum when subsampled observations come grouped by row), "
             "the natural precision step (batched `np.linalg.cholesky`), the mean step (batched `np.linalg.solve`) and "
-            "the KL; with B, the plugin's per-row subsampling (sorted uniform keys per row, padding to min(B, largest "
-            "row)). One NumPy sweep moves both factors; the plugin evaluates both factors' expectations and steps in "
-            "every iteration but moves one factor per iteration, so a sweep over all rows is two plugin iterations. "
-            + chk_txt
+            "the KL; with B, the plugin's per-row subsampling (a window of B consecutive observations at a random "
+            "start in each row's once-shuffled order, padding to min(B, largest row)). One NumPy sweep moves both "
+            "factors; the plugin moves one factor per iteration (in full batch it evaluates both factors' "
+            "expectations in every iteration, with B only those of the factor it moves), so a sweep over all rows "
+            "is two plugin iterations. " + chk_txt
         )
         L.append("")
         L.append(

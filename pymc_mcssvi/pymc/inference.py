@@ -395,6 +395,14 @@ class StructuredVI(Inference):
             self.recognition_time = time.perf_counter() - t0
             self.hyper_mode = hyper = resolve_hyper_mode(self.tlm, self.model, hyper)
             if row_subsample is not None and not self.tlm.bilinear_terms:
+                mixed = [t.name for t in self.tlm.general_terms if "bilinear" in t.reason]
+                if mixed:
+                    raise ValueError(
+                        f"row_subsample needs a likelihood that depends on the factors only through "
+                        f"the product (U[s] * V[d]).sum(-1); the predictor of {mixed[0]!r} adds other "
+                        "terms of the model's variables (biases, an intercept), so it is fitted by "
+                        "Monte Carlo + autodiff over all of them: drop row_subsample"
+                    )
                 raise ValueError(
                     "row_subsample applies to matrix factorization (bilinear predictors); "
                     "this model has none: use pm.Minibatch to subsample its rows"

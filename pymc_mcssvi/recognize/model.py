@@ -176,7 +176,11 @@ def recognize(
             forms[obs.name] = "bilinear" + suffix
             continue
         found = find_bilinear(logp, gvalues, gshapes)
-        forms[obs.name] = ("bilinear" if found is not None else "general") + suffix
+        # A product with other terms of the globals (row/column biases, an intercept)
+        # is not the bilinear estimator's form: Monte Carlo + autodiff over all of them.
+        forms[obs.name] = (
+            "general (bilinear + other terms)" if found is not None else "general"
+        ) + suffix
         if found is not None:
             bilinear_sources.update(found[1].sources | found[2].sources)
         general_terms.append(GeneralTerm(obs.name, logp, forms[obs.name]))

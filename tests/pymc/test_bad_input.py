@@ -144,3 +144,20 @@ def test_minibatch_without_total_size_warns():
         pm.Normal("y", Xm @ w, 1.0, observed=ym)
         with pytest.warns(UserWarning, match="'y'.*total_size"):
             pymc_mcssvi.MCSSVI()
+
+
+def test_matrix_factorization_with_biases_names_the_general_path():
+    """Row/column biases next to the product: the likelihood is not a function of the
+    product alone, so the term is fitted by Monte Carlo + autodiff; describe says so and
+    row_subsample (which needs the product alone) is refused with the reason."""
+    rng = np.random.default_rng(0)
+    R, C, K, n = 8, 6, 2, 60
+    r, c = rng.integers(0, R, n), rng.integers(0, C, n)
+    with pm.Model() as m:
+        a = pm.Normal("a", 0, 1, shape=R)
+        U = pm.Normal("U", 0, 1, shape=(R, K))
+        V = pm.Normal("V", 0, 1, shape=(C, K))
+        pm.Bernoulli("y", logit_p=a[r] + (U[r] * V[c]).sum(-1), observed=rng.integers(0, 2, n))
+    assert pymc_mcssvi.describe(m).predictor("y") == "general (bilinear + other terms)"
+    with m, pytest.raises(ValueError, match=r"predictor of 'y' adds other terms"):
+        pymc_mcssvi.HMCSSVI(row_subsample=3)

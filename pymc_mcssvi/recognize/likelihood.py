@@ -377,24 +377,31 @@ def bilinear_term(
             return None
         (t,) = form.terms
         shape = gshapes[next(v for v, i in gvalues.items() if i == t.source)]
-        # A row gather U[s] has leading shape (n, K) and one column per entry.
-        if len(shape) != 2 or t.vals is not None or t.ndim != 2:
+        # A row gather U[s] has leading shape (n, K) and one column per entry;
+        # einsum and batched matmul spellings read it as (n, 1, K) or (n, K, 1).
+        if len(shape) != 2 or t.vals is not None or t.ndim not in (2, 3):
             return None
         K = shape[1]
         try:
             cols = np.asarray(t.cols.eval(mode="FAST_COMPILE"))
         except Exception:
             return None
-        if cols.ndim != 3 or cols.shape[1:] != (K, 1):
+        if cols.ndim != t.ndim + 1 or cols.shape[-1] != 1 or np.prod(cols.shape[1:]) != K:
             return None
-        cols = cols[..., 0]
+        if cols.ndim == 4 and 1 not in cols.shape[1:3]:
+            return None
+        cols = cols.reshape(cols.shape[0], K)
         if not np.array_equal(cols - cols[:, :1], np.broadcast_to(np.arange(K), cols.shape)):
             return None
-        rows.append((t.source, t.cols[:, 0, 0] // K))
+        first = t.cols.reshape((t.cols.shape[0], -1))[:, 0]
+        rows.append((t.source, first // K))
     (left, lrows), (right, rrows) = rows
-    placeholder = eta.type()
-    placeholder.name = f"{name}_product"
-    replaced = graph_replace(logp, {eta: placeholder}, strict=False)
+    if eta.ndim > 1 and not all(eta.type.broadcastable[1:]):
+        return None
+    # One product per observation: a batched matmul's (n, 1, 1) is a vector (n,).
+    placeholder = pt.vector(f"{name}_product", dtype=eta.dtype, shape=eta.type.shape[:1])
+    expanded = placeholder.dimshuffle(0, *["x"] * (eta.ndim - 1)) if eta.ndim > 1 else placeholder
+    replaced = graph_replace(logp, {eta: expanded}, strict=False)
     if depends_on_any(replaced, gvalues):
         return None
     if not is_separable(replaced, placeholder):

@@ -249,3 +249,34 @@ def test_stochastic_steps_compute_only_the_moving_factor(rng, monkeypatch, likel
     if likelihood == "ordinal":
         learned, _ = fit(True, cutpoints=None)
         assert not _step_has_ifelse(learned)
+
+
+@pytest.mark.parametrize("likelihood", ["normal", "bernoulli"])
+def test_einsum_and_batched_matmul_spellings_fit_like_the_sum(rng, likelihood):
+    """``einsum("nk,nk->n", U[s], V[d])`` and ``(U[s][:, None] @ V[d][..., None])[:, 0, 0]``
+    read the factors with an extra axis; they are the same bilinear term (they went
+    to the Monte Carlo path before) and give the same fit as ``(U[s] * V[d]).sum(-1)``."""
+    import pytensor.tensor as pt
+
+    R, C, K, n = 12, 10, 3, 80
+    s, d = rng.integers(0, R, n), rng.integers(0, C, n)
+    y = rng.normal(size=n) if likelihood == "normal" else rng.integers(0, 2, n)
+    spellings = {
+        "sum": lambda U, V: (U[s] * V[d]).sum(-1),
+        "einsum": lambda U, V: pt.einsum("nk,nk->n", U[s], V[d]),
+        "matmul": lambda U, V: (U[s][:, None, :] @ V[d][:, :, None])[:, 0, 0],
+    }
+    means = {}
+    for name, product in spellings.items():
+        with pm.Model() as m:
+            U = pm.Normal("U", 0, 1, shape=(R, K))
+            V = pm.Normal("V", 0, 1, shape=(C, K))
+            f = product(U, V)
+            if likelihood == "normal":
+                pm.Normal("y", f, 0.5, observed=y)
+            else:
+                pm.Bernoulli("y", logit_p=f, observed=y)
+            assert describe(m).predictor("y") == "bilinear", name
+            means[name] = pymc_mcssvi.HMCSSVI(random_seed=1).fit(20, progressbar=False).mean.eval()
+    np.testing.assert_allclose(means["einsum"], means["sum"], rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(means["matmul"], means["sum"], rtol=1e-10, atol=1e-12)

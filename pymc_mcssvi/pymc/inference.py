@@ -77,7 +77,7 @@ from pymc_mcssvi.pymc.python_vm import (  # noqa: F401  (re-exported: older impo
     without_structure_rewrites,
 )
 from pymc_mcssvi.recognize.graph import depends_on_any, evaluate_static
-from pymc_mcssvi.recognize.model import recognize
+from pymc_mcssvi.recognize.model import MIXED_BILINEAR, recognize
 
 __all__ = ["HMCSSVI", "MCSSVI", "SDSVI", "StructuredVI"]
 
@@ -309,9 +309,10 @@ class StructuredVI(Inference):
         updated uses at most this many of its observations, a fresh random
         subset weighted by ``|O_j| / |M_j|`` (the paper's per-row subsampling for
         dense rows; a window at a random start in a once-shuffled order of the
-        row's observations, so each is used with probability ``|M_j| / |O_j|``). The bound estimate is then stochastic, so the default
-        schedule is ``"power"`` and convergence is judged on windowed averages,
-        as with ``pm.Minibatch``.
+        row's observations, so each is used with probability ``|M_j| / |O_j|``).
+        The bound estimate is then stochastic, so the default schedule is
+        ``"power"`` and convergence is judged on windowed averages, as with
+        ``pm.Minibatch``.
     linear_response : bool, default True
         With ``hyper="meanfield"``: the returned approximation corrects the
         mean-field q(h) for its independence from q(w). q(h) gets the precision
@@ -395,7 +396,9 @@ class StructuredVI(Inference):
             self.recognition_time = time.perf_counter() - t0
             self.hyper_mode = hyper = resolve_hyper_mode(self.tlm, self.model, hyper)
             if row_subsample is not None and not self.tlm.bilinear_terms:
-                mixed = [t.name for t in self.tlm.general_terms if "bilinear" in t.reason]
+                mixed = [
+                    t.name for t in self.tlm.general_terms if t.reason.startswith(MIXED_BILINEAR)
+                ]
                 if mixed:
                     raise ValueError(
                         f"row_subsample needs a likelihood that depends on the factors only through "

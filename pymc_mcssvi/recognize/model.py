@@ -49,6 +49,11 @@ __all__ = ["MAX_GENERAL_DIM", "recognize"]
 MAX_GENERAL_DIM = 2000
 
 
+#: ``describe``'s form (and the general term's reason) of a bilinear product with
+#: other terms of the globals next to it.
+MIXED_BILINEAR = "general (bilinear + other terms)"
+
+
 def recognize(
     model: pm.Model | None = None,
     cov: str | dict | None = None,
@@ -178,9 +183,7 @@ def recognize(
         found = find_bilinear(logp, gvalues, gshapes)
         # A product with other terms of the globals (row/column biases, an intercept)
         # is not the bilinear estimator's form: Monte Carlo + autodiff over all of them.
-        forms[obs.name] = (
-            "general (bilinear + other terms)" if found is not None else "general"
-        ) + suffix
+        forms[obs.name] = (MIXED_BILINEAR if found is not None else "general") + suffix
         if found is not None:
             bilinear_sources.update(found[1].sources | found[2].sources)
         general_terms.append(GeneralTerm(obs.name, logp, forms[obs.name]))

@@ -10,13 +10,13 @@ on the samples, ``approx.mean`` / ``std`` / ``cov`` and callbacks.
 from __future__ import annotations
 
 import numpy as np
-import pytensor
 import pytensor.tensor as pt
 from pymc.variational.opvi import Approximation, Group, node_property
 from xarray import DataArray, Dataset
 
 from pymc_mcssvi.algorithms.marginal import node_interpolation, table_transform
 from pymc_mcssvi.families.gaussian import GaussianBlocks, covariance, sample
+from pymc_mcssvi.pymc.python_vm import graph_building
 
 __all__ = ["PointGroup", "StructuredApproximation", "StructuredGaussianGroup"]
 
@@ -44,13 +44,18 @@ class StructuredGaussianGroup(Group):
     :mod:`~pymc_mcssvi.algorithms.marginal`) replaces the Gaussian by the
     skewed axis marginal while ``on`` is 1; ``center`` stays the Gaussian's
     mean (the point other groups' linear responses are taken at).
-    An optional ``view=(on, factors, table)`` (a flag, one shared factor per
-    segment in the group's parameterization, and the ``(n_h, 9, ddim)`` log
-    ratios of the conditional sds along the hyperparameters' axes) replaces
-    q's own factors in the draws, ``std`` and ``cov`` while ``on`` is 1, and
-    scales each draw's noise by the conditional sds at its ``h`` (see
-    :func:`~pymc_mcssvi.algorithms.marginal.averaged_view_factors`); the
-    means are q's.
+    An optional ``view=(on, factors, table, mean_table, shift)`` (a flag, one
+    shared factor per segment in the group's parameterization, the
+    ``(n_h, 9, ddim)`` log ratios of the conditional sds along the
+    hyperparameters' axes, the ``(n_h, 9, ddim)`` conditional means'
+    departures from the linear response there and the draws' mean minus
+    ``center``) replaces q's own factors in the draws, ``std`` and ``cov`` while
+    ``on`` is 1, scales each draw's noise by the conditional sds at its ``h``
+    (see :func:`~pymc_mcssvi.algorithms.marginal.averaged_view_factors`) and
+    adds the departure of its mean (see
+    :func:`~pymc_mcssvi.algorithms.marginal.conditional_mean_table`);
+    ``mean`` is the draws' (``center + shift``), ``std`` and ``cov`` keep the
+    linear response's terms.
     """
 
     __param_spec__ = {"segment_means": ("d",), "segment_factors": ("d",)}
@@ -122,7 +127,7 @@ class StructuredGaussianGroup(Group):
     def _states(self):
         factors = list(self.shared_factors)
         if self.view is not None:
-            on, view_factors, _ = self.view
+            on, view_factors, *_ = self.view
             factors = [
                 pt.switch(pt.eq(on, 1), v, f) for v, f in zip(view_factors, factors, strict=True)
             ]
@@ -145,11 +150,13 @@ class StructuredGaussianGroup(Group):
             hyper, pairs = resp
             h = hyper.symbolic_random - hyper.center[None, :]
             if self.view is not None and hyper.marginal is not None:
-                on, _, table = self.view
+                on, _, table, mean_table, _ = self.view
                 _, V, s, *_ = hyper.marginal
-                scale = pt.exp(node_interpolation((h @ V) / s, table))
+                t = (h @ V) / s
+                scale = pt.exp(node_interpolation(t, table))
                 centre = self.center[None, :]
                 out = centre + pt.switch(pt.eq(on, 1), scale, 1.0) * (out - centre)
+                out = out + pt.switch(pt.eq(on, 1), node_interpolation(t, mean_table), 0.0)
             out = out + h @ self._response_matrix(hyper, pairs).T
         if self.marginal is not None:
             on, V, s, T, _, _ = self.marginal
@@ -165,8 +172,18 @@ class StructuredGaussianGroup(Group):
             out = _scatter(out, idx, st.mean)
         return out
 
+    def _view_moments(self):
+        """``(on, DrawMoments)`` of the conditional view, or ``None``."""
+        if self.view is None:
+            return None
+        return self.view[0], self.view[-1]
+
     @node_property
     def mean(self):
+        vm = self._view_moments()
+        if vm is not None:
+            on, mom = vm
+            return self.center + pt.switch(pt.eq(on, 1), mom.shift, 0.0)
         if self.marginal is None:
             return self.center
         on, _, _, _, shift, _ = self.marginal
@@ -185,6 +202,11 @@ class StructuredGaussianGroup(Group):
         if resp is not None:
             U = self._response_matrix(*resp)
             out = out + U @ resp[0].cov @ U.T
+        vm = self._view_moments()
+        if vm is not None:
+            on, m = vm
+            extra = m.A @ m.B.T + m.B @ m.A.T + m.R @ m.R.T
+            out = out + pt.switch(pt.eq(on, 1), extra, 0.0)
         if self.marginal is not None:
             on, *_, cov = self.marginal
             out = pt.switch(pt.eq(on, 1), cov, out)
@@ -202,6 +224,11 @@ class StructuredGaussianGroup(Group):
         if resp is not None:
             U = self._response_matrix(*resp)
             out = out + pt.sum((U @ resp[0].cov) * U, axis=-1)
+        vm = self._view_moments()
+        if vm is not None:
+            on, m = vm
+            extra = 2.0 * pt.sum(m.A * m.B, axis=-1) + pt.sum(m.R**2, axis=-1)
+            out = out + pt.switch(pt.eq(on, 1), extra, 0.0)
         if self.marginal is not None:
             on, *_, cov = self.marginal
             out = pt.switch(pt.eq(on, 1), pt.diagonal(cov), out)
@@ -212,7 +239,13 @@ class StructuredGaussianGroup(Group):
         resp = self._responses()
         if resp is None or resp[0] is not other:
             return pt.zeros((self.ddim, other.ddim))
-        return self._response_matrix(*resp) @ other.cov
+        out = self._response_matrix(*resp) @ other.cov
+        vm = self._view_moments()
+        if vm is not None and other.marginal is not None:
+            on, m = vm
+            _, V, s, *_ = other.marginal
+            out = out + pt.switch(pt.eq(on, 1), (m.A * s) @ V.T, 0.0)
+        return out
 
     @node_property
     def symbolic_logq_not_scaled(self):
@@ -414,7 +447,7 @@ class StructuredApproximation(Approximation):
         The draws are computed with Python-level operations (no compilation),
         which is faster than compiling for a one-off call.
         """
-        with pytensor.config.change_flags(mode="FAST_COMPILE"):
+        with graph_building():
             out = super().sample(
                 draws, random_seed=random_seed, return_inferencedata=return_inferencedata, **kwargs
             )

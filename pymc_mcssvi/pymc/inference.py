@@ -41,12 +41,17 @@ from pymc_mcssvi.algorithms.kernel import MAX_COUPLED_HYPERS, StepKernel
 from pymc_mcssvi.algorithms.marginal import (
     AXIS_POINTS,
     EPS_GRID,
+    HESSIAN_STEP,
     MAX_CORRECTED_HYPERS,
     MAX_VIEW_WORK,
     NODES,
+    ConditionalProfile,
+    DrawMoments,
     averaged_view_factors,
     axis_marginal,
-    profile_graph,
+    conditional_mean_table,
+    draw_moments,
+    refit_graph,
 )
 from pymc_mcssvi.algorithms.mcssvi import MCSSVIStep
 from pymc_mcssvi.algorithms.optimizers import make_optimizer
@@ -71,6 +76,9 @@ from pymc_mcssvi.pymc.locals import (
     local_posteriors,
 )
 from pymc_mcssvi.pymc.python_vm import (  # noqa: F401  (re-exported: older import path)
+    HELPER_MODE,
+    graph_building,
+    python_few_calls_mode,
     python_step_mode,
     structure_rewrites,
     trigamma_as_polygamma,
@@ -104,9 +112,6 @@ JAX_FALLBACK_COMPILE_WORK = 1e9
 
 #: Largest predictor sd under the start q; larger ones shrink the start covariance.
 START_PREDICTOR_SD = 10.0
-
-#: Mode for one-off helper functions (initial points, sampling): no compilation.
-HELPER_MODE = "FAST_COMPILE"
 
 
 @functools.cache
@@ -390,7 +395,7 @@ class StructuredVI(Inference):
         self._start_shrinks = 0
         self._work = None  # cached work_estimate()
         self.backend_used = None
-        with pytensor.config.change_flags(mode=HELPER_MODE):
+        with graph_building():
             t0 = time.perf_counter()
             self.tlm = recognize(self.model, cov=cov, bound=bound, inner=inner, n_inner=n_inner)
             self.recognition_time = time.perf_counter() - t0
@@ -631,6 +636,20 @@ class StructuredVI(Inference):
                 pytensor.shared(
                     np.zeros((k.hypers.spec.size, len(NODES), n_w)), name="conditional_view_sd"
                 ),
+                pytensor.shared(
+                    np.zeros((k.hypers.spec.size, len(NODES), n_w)), name="conditional_view_mean"
+                ),
+                DrawMoments(
+                    pytensor.shared(np.zeros(n_w), name="conditional_view_mean_shift"),
+                    *[
+                        pytensor.shared(np.zeros((n_w, n_h)), name=f"conditional_view_{name}")
+                        for name, n_h in (
+                            ("A", k.hypers.spec.size),
+                            ("B", k.hypers.spec.size),
+                            ("R", k.hypers.spec.size * (1 + len(AXIS_POINTS))),
+                        )
+                    ],
+                ),
             )
         groups = [
             StructuredGaussianGroup(
@@ -694,7 +713,7 @@ class StructuredVI(Inference):
     def work_estimate(self) -> float:
         """Estimated flops of one iteration (drives the backend and BLAS-thread choices)."""
         if self._work is None:
-            with pytensor.config.change_flags(mode=HELPER_MODE):
+            with graph_building():
                 work = self.bound.work_estimate(self._n_inner if self.tlm.locals else 1)
             k = self.kernel
             if k.rayleighs is not None:
@@ -768,7 +787,8 @@ class StructuredVI(Inference):
         return fn
 
     def _compile_step(self, backend, compile_kwargs):
-        outputs, updates = self.kernel.build()
+        with graph_building():
+            outputs, updates = self.kernel.build()
         if backend == "python":
             ck = {**compile_kwargs, "mode": python_step_mode()}
         else:
@@ -914,7 +934,7 @@ class StructuredVI(Inference):
         if getattr(self, "_marginal", None) is not None:
             self._fit_hyper_marginal()
         if self.tlm.locals:
-            with pytensor.config.change_flags(mode=HELPER_MODE):
+            with graph_building():
                 local_posteriors(self.model, self.approx, self.tlm.locals, self._local_params)
             self.approx.marginal_locals = [lc.name for lc in self.tlm.locals]
             if not self.approx.conditional_factories:
@@ -932,36 +952,49 @@ class StructuredVI(Inference):
         return self.approx
 
     def _fit_hyper_marginal(self):
-        """Replace the linear-response q(h) by its skewed axis marginal where trusted.
+        """Replace the linear-response q(h) by the converged profile's, skewed where trusted.
 
-        See :mod:`pymc_mcssvi.algorithms.marginal`. The profile function is
-        compiled once per fit object; any failure (a backend that cannot run
-        it, non-finite values, a profile that disagrees with the linear
-        response's curvature) keeps the Gaussian, logged at INFO.
+        See :mod:`pymc_mcssvi.algorithms.marginal`. q(h)'s Gaussian takes the
+        curvature of the profile at its centre (finite differences of
+        re-fitted bounds); the skewed axis marginal replaces it when the
+        profile along its axes is finite and agrees with that curvature; the
+        conditional sds and means of q(w | h) at the profile points then shape
+        the Gaussian globals' draws. The re-fit function is compiled once per
+        fit object; any failure keeps what was reached, logged at INFO.
         """
         hyp = self.kernel.hypers
         on, V_sh, s_sh, T_sh, shift_sh, cov_sh = self._marginal
         on.set_value(np.int8(0))
-        L = hyp.lr_factor.get_value()[0]
+        mu = hyp.base_mean.get_value()[0]
+        means = [m.get_value() for m in self.kernel.base_mean]
+        responses = [U.get_value() for U in hyp.lr_responses]
         try:
-            cov = np.linalg.inv(L @ L.T)
-            lam, V = np.linalg.eigh(0.5 * (cov + cov.T))
-            if not np.all(np.isfinite(lam)) or np.any(lam <= 0):
-                raise np.linalg.LinAlgError("q(h) covariance is not positive definite")
-            s = np.sqrt(lam)
             if self._profile_fn is None:
                 self._profile_fn = self._compile_profile()
-            mu = hyp.base_mean.get_value()[0]
-            pts = [mu] + [mu + z * s[j] * V[:, j] for j in range(len(s)) for z in AXIS_POINTS]
+            prof = ConditionalProfile(
+                self._profile_fn,
+                mu,
+                means,
+                [f.get_value() for f in self.kernel.base_factor],
+                responses,
+            )
+            L = hyp.lr_factor.get_value()[0]
+            sd = np.sqrt(np.diag(np.linalg.inv(L @ L.T)))
             with np.errstate(all="ignore"), self._blas_limits(None):
-                outs = [self._profile_fn(p) for p in pts]
-            values = np.array([float(o[0]) for o in outs])
+                centre = prof.refit(mu, *prof.start(mu, prof.fitted, mu))
+                H = prof.hessian(centre, HESSIAN_STEP * sd)
+                P = -0.5 * (H + H.T)
+                L_P = np.linalg.cholesky(P)  # LinAlgError: not concave at the centre
+                hyp.lr_factor.set_value(L_P[None])
+                lam, V = np.linalg.eigh(np.linalg.inv(P))
+                s = np.sqrt(lam)
+                refits = [centre, *prof.along_axes(centre, V, s)]
         except Exception as err:  # the Gaussian q(h) stays
             logger.info("Skewed q(h) not computed (%s: %s)", type(err).__name__, err)
             return
-        am = axis_marginal(values, V, s)
+        am = axis_marginal([r.value for r in refits], V, s)
         if am is None:
-            logger.info("Skewed q(h) not used: the profile disagrees with the linear response")
+            logger.info("Skewed q(h) not used: the profile disagrees with its curvature")
             return
         V_sh.set_value(am.directions)
         s_sh.set_value(am.scales)
@@ -969,50 +1002,55 @@ class StructuredVI(Inference):
         shift_sh.set_value(am.mean_shift)
         cov_sh.set_value(am.cov)
         on.set_value(np.int8(1))
-        if self._view is not None and len(outs[0]) > 1:
+        if self._view is None:
+            return
+        view_on, view_factors, table_sh, mean_sh, moments_sh = self._view
+        n_w = mean_sh.get_value(borrow=True).shape[-1]
+        mean_table = conditional_mean_table(refits, means, responses, V, s, self._flat_maps, n_w)
+        mean_sh.set_value(mean_table)
+        moments = draw_moments(mean_table, am, responses, self._flat_maps, n_w)
+        for shared, value in zip(moments_sh, moments, strict=True):
+            shared.set_value(value)
+        table = np.zeros(table_sh.get_value(borrow=True).shape)
+        factors = [f.get_value() for f in self.kernel.base_factor]
+        work = sum(f.shape[0] * f.shape[-1] ** 3 for f in factors)
+        if work <= MAX_VIEW_WORK:
             with np.errstate(all="ignore"):
-                view = averaged_view_factors(am.weights, [o[1:] for o in outs])
+                view = averaged_view_factors(am.weights, [r.factors for r in refits])
             if view is None:
                 logger.info("Conditional covariance of q(w) not averaged: not positive definite")
-                return
-            factors, ratios = view
-            view_on, view_factors, table_sh = self._view
-            table = np.zeros(table_sh.get_value(borrow=True).shape)
-            for ratio, idx in zip(ratios, self._flat_maps, strict=True):
-                table[:, :, idx.reshape(-1)] = ratio.reshape((*ratio.shape[:2], -1))
-            for shared, f in zip(view_factors, factors, strict=True):
-                shared.set_value(f)
-            table_sh.set_value(table)
-            view_on.set_value(np.int8(1))
+            else:
+                factors, ratios = view
+                for ratio, idx in zip(ratios, self._flat_maps, strict=True):
+                    table[:, :, idx.reshape(-1)] = ratio.reshape((*ratio.shape[:2], -1))
+        for shared, f in zip(view_factors, factors, strict=True):
+            shared.set_value(f)
+        table_sh.set_value(table)
+        view_on.set_value(np.int8(1))
 
     def _compile_profile(self):
-        """The profile function ``p -> (value, *factors)`` of :func:`profile_graph`.
-
-        The re-fitted q(w | h)'s factors are returned only when there is a
-        factor view to fill and it is small enough (:data:`MAX_VIEW_WORK`).
-        """
+        """The re-fit step ``(h, rho, means, factors) -> (value, means, factors)`` of
+        :func:`~pymc_mcssvi.algorithms.marginal.refit_graph`, ``h`` flat."""
         hyp = self.kernel.hypers
-        work = sum(
-            f.get_value(borrow=True).shape[0] * f.get_value(borrow=True).shape[-1] ** 3
-            for f in self.kernel.base_factor
-        )
-        with pytensor.config.change_flags(mode=HELPER_MODE), warnings.catch_warnings():
+        with graph_building(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            inputs, value, factors = profile_graph(self.kernel)
-            outputs = (
-                [value, *factors] if (self._view is not None and work <= MAX_VIEW_WORK) else [value]
-            )
+            inputs, outputs = refit_graph(self.kernel)
             ck = (
-                {"mode": python_step_mode()}
+                {"mode": python_few_calls_mode()}
                 if self.backend_used in (None, "python", "custom")
                 else resolve_backend_compile_kwargs(self.backend_used, {})
             )
             fn = pm_compile(inputs, outputs, **ck)
         split = np.cumsum([int(np.prod(shp)) for shp in hyp.spec.shapes])[:-1]
         shapes = hyp.spec.shapes
-        return lambda p: fn(
-            *[x.reshape(shp) for x, shp in zip(np.split(p, split), shapes, strict=True)]
-        )
+        nseg = self.kernel.nseg
+
+        def step(h, rho, means, factors):
+            hs = [x.reshape(shp) for x, shp in zip(np.split(h, split), shapes, strict=True)]
+            out = fn(*hs, rho, *means, *factors)
+            return out[0], out[1 : 1 + nseg], out[1 + nseg :]
+
+        return step
 
     def _warn_collapsed_scales(self):
         """Warn when a log-transformed hyperparameter's estimate ran off towards 0."""
@@ -1101,7 +1139,7 @@ class StructuredVI(Inference):
         """Default stopping rule.
 
         Full batch: in each of the last three iterations the candidate's bound
-        differed from the current one by at most ``tol * |ELBO| + 1e-6``, whether
+        differed from the current one by at most ``tol * (|ELBO| + 10)``, whether
         the step was accepted (it gained little) or rejected (it would have lost
         little: the remaining difference is at the level of quadrature error).
         Minibatch: the averages of the last two windows of 50 iterations differ
@@ -1116,7 +1154,9 @@ class StructuredVI(Inference):
         k = 3
         if len(scores) <= k or not np.all(np.isfinite(scores[-k - 1 :])):
             return False
-        limit = tol * abs(scores[-1]) + 1e-6
+        # the absolute part (1e-6 at the default tol) scales with tol, so that a
+        # smaller tol is honoured near ELBO = 0 and for tight checks (tol=1e-12)
+        limit = tol * (abs(scores[-1]) + 10.0)
         return all(abs(g) <= limit for g in gains[-k:])
 
 

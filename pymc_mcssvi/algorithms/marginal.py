@@ -108,7 +108,7 @@ MAX_REFIT_HALVINGS = 3
 HESSIAN_STEP = 0.25
 
 
-def refit_graph(kernel):
+def refit_graph(kernel, project: bool = True):
     """One natural step of q(w) at a point ``h``: the profile's building block.
 
     Returns ``(inputs, outputs)``. ``inputs`` are the model's value variables of
@@ -125,7 +125,8 @@ def refit_graph(kernel):
     states = [GaussianBlocks(m, f) for m, f in zip(means, factors, strict=True)]
     ev = kernel.bound.evaluate(states)
     new = [
-        natural_step(st, g, H, rho) for st, g, H in zip(states, ev.grads, ev.hessians, strict=True)
+        natural_step(st, g, H, rho, project=project)
+        for st, g, H in zip(states, ev.grads, ev.hessians, strict=True)
     ]
     inputs = [*hyp.spec.values, rho, *means, *factors]
     return inputs, [ev.value, *[st.mean for st in new], *[st.factor for st in new]]

@@ -260,7 +260,9 @@ def psd_projection(A):
     return (V * pt.maximum(lam, 0.0)[..., None, :]) @ pt.matrix_transpose(V)
 
 
-def natural_step(state: GaussianBlocks, g, H, rho, mean_update: bool = True) -> GaussianBlocks:
+def natural_step(
+    state: GaussianBlocks, g, H, rho, mean_update: bool = True, project: bool = True
+) -> GaussianBlocks:
     """MC-SSVI step on the natural parameters (precision parameterization).
 
     Parameters
@@ -274,6 +276,10 @@ def natural_step(state: GaussianBlocks, g, H, rho, mean_update: bool = True) -> 
     mean_update : bool
         Also update ``P m`` (MC-SSVI); with ``False`` the mean is kept
         (H-MC-SSVI updates it by a separate gradient step).
+    project : bool
+        Replace an indefinite block's ``-H`` by its PSD projection (behind a
+        lazy ``ifelse``). With ``False`` such a block's factor is NaN, and the
+        graph has no ``ifelse``, so it can be vectorized over draws.
 
     Returns
     -------
@@ -295,6 +301,12 @@ def natural_step(state: GaussianBlocks, g, H, rho, mean_update: bool = True) -> 
     P = bmm(L, pt.matrix_transpose(L))
     H = 0.5 * (H + pt.matrix_transpose(H))
     trial = cholesky((1.0 - rho) * P - rho * H)
+    if not project:
+        L_new = trial
+        if not mean_update:
+            return GaussianBlocks(m, L_new)
+        b = (1.0 - rho) * bmv(P, m) + rho * (g - bmv(H, m))
+        return GaussianBlocks(cho_solve_blocks(L_new, b), L_new)
     bad = pt.any(pt.isnan(trial), axis=(-2, -1))
     # The projection needs an eigendecomposition: only computed (lazily) when a block failed.
     projected = pt.switch(bad[..., None, None], -psd_projection(-H), H)

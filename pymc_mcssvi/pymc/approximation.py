@@ -345,9 +345,11 @@ class StructuredApproximation(Approximation):
         self.converged = None
         self.point_estimates: list[str] = []
         self.marginal_locals: list[str] = []
-        #: Zero-argument callables returning ``(value name, draws -> new draws)``
-        #: (see :func:`~pymc_mcssvi.pymc.locals.conditional_local_sampler`); built
-        #: on the first :meth:`sample`.
+        #: Zero-argument callables returning ``(samples, random_seed) -> {value name:
+        #: new draws}``, applied in order to the draws (see
+        #: :class:`~pymc_mcssvi.pymc.conditional.ConditionalGlobals` and
+        #: :func:`~pymc_mcssvi.pymc.locals.conditional_local_sampler`); built on the
+        #: first :meth:`sample`.
         self.conditional_factories: list = []
         self._conditional: list | None = None
 
@@ -430,8 +432,9 @@ class StructuredApproximation(Approximation):
 
         def ordered(draws=100, *, random_seed=None):
             out = inner(draws, random_seed=random_seed)
-            for name, draw in self._conditional_samplers():
-                out[name] = draw(out)
+            seed = np.random.SeedSequence(random_seed)
+            for draw, child in zip(self._conditional_samplers(), seed.spawn(8), strict=False):
+                out.update(draw(out, random_seed=child))
             return {name: out[name] for name in order if name in out}
 
         return ordered

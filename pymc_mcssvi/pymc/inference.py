@@ -69,6 +69,7 @@ from pymc_mcssvi.pymc.approximation import (
     StructuredApproximation,
     StructuredGaussianGroup,
 )
+from pymc_mcssvi.pymc.conditional import ConditionalGlobals
 from pymc_mcssvi.pymc.locals import (
     LocalGroup,
     conditional_local_sampler,
@@ -933,22 +934,26 @@ class StructuredVI(Inference):
         self._warn_collapsed_scales()
         if getattr(self, "_marginal", None) is not None:
             self._fit_hyper_marginal()
+        factories = []
+        if getattr(self, "_view", None) is not None:
+            k = self.kernel
+            work = self.work_estimate() / max(len(k.hypers.w), 1)
+            sampler = ConditionalGlobals(k, self.model, self.approx.groups[0], work)
+            factories.append(lambda: sampler)
+        if self.tlm.locals:
+            factories += [
+                functools.partial(
+                    conditional_local_sampler, self.model, lc, self.tlm.locals, self._local_params
+                )
+                for lc in self.tlm.locals
+                if lc.kind == "gaussian"
+            ]
+        self.approx.conditional_factories = factories
+        self.approx._conditional = None
         if self.tlm.locals:
             with graph_building():
                 local_posteriors(self.model, self.approx, self.tlm.locals, self._local_params)
             self.approx.marginal_locals = [lc.name for lc in self.tlm.locals]
-            if not self.approx.conditional_factories:
-                self.approx.conditional_factories = [
-                    functools.partial(
-                        conditional_local_sampler,
-                        self.model,
-                        lc,
-                        self.tlm.locals,
-                        self._local_params,
-                    )
-                    for lc in self.tlm.locals
-                    if lc.kind == "gaussian"
-                ]
         return self.approx
 
     def _fit_hyper_marginal(self):

@@ -205,13 +205,13 @@ def _gaussian_local_moments(model, lc, n_inner):
 
 
 def conditional_local_sampler(model, lc, locals_, params, n_inner=40):
-    """``draws -> draws`` replacing Gaussian local ``lc``'s marginal draws by draws given
-    the globals of the same draw.
+    """``samples -> {name: draws}`` replacing Gaussian local ``lc``'s marginal draws by
+    draws given the globals of the same draw.
 
     The returned function takes the dict of draws by value-variable name (as
-    ``approx.sample_dict_fn`` gives them) and returns ``lc``'s new draws: the
-    conditional mean plus the conditional sd times the standard normal deviate
-    of the marginal draw.
+    ``approx.sample_dict_fn`` gives them, and an unused ``random_seed``) and
+    returns ``lc``'s new draws: the conditional mean plus the conditional sd
+    times the standard normal deviate of the marginal draw.
     """
     local_rvs = {x.rv for x in locals_}
     others = [rv for rv in model.free_RVs if rv not in local_rvs]
@@ -222,7 +222,7 @@ def conditional_local_sampler(model, lc, locals_, params, n_inner=40):
     size = _batch_draws(n_inner * n)
     name = lc.value.name
 
-    def draw(samples):
+    def draw(samples, random_seed=None):
         marginal = np.asarray(samples[name], dtype="float64")
         mean = params[lc.name]["mean"].get_value()
         sd = params[lc.name]["sd"].get_value()
@@ -233,9 +233,9 @@ def conditional_local_sampler(model, lc, locals_, params, n_inner=40):
                 a, b = fn(*[np.asarray(samples[nm][lo : lo + size]) for nm in names])
                 cond_sd = np.sqrt(np.maximum(b - a**2, 0.0))
                 out[lo : lo + size] = a + cond_sd * eps[lo : lo + size]
-        return out.astype(samples[name].dtype)
+        return {name: out.astype(samples[name].dtype)}
 
-    return name, draw
+    return draw
 
 
 def local_posteriors(model, approx, locals_, params, draws=200, n_inner=40, random_seed=0):

@@ -14,10 +14,10 @@ and the *Jensen* bound (eq. vlb, :math:`q(f \mid w) = p(f \mid w)`) the smaller
 
     E_{p(f_i \mid w)}[\log p(y_i \mid f_i)] .
 
-* Gaussian local, ``f_i ~ N(a_i, s_i^2)``: the integral is Gauss-Hermite
-  quadrature inside a log-sum-exp, ``log sum_k v_k p(y_i | a_i + s_i u_k)``
-  (``inner="quadrature"``), or the paper's Monte Carlo average over fresh draws
-  (``inner="mc"``); exact in closed form when ``y_i ~ N(f_i, sigma)``.
+* Gaussian local, ``f_i ~ N(a_i, s_i^2)``: the integral is adaptive
+  Gauss-Hermite quadrature inside a log-sum-exp (``inner="quadrature"``, see
+  :func:`laplace_nodes`), or the paper's Monte Carlo average over fresh draws
+  from the prior (``inner="mc"``); exact in closed form when ``y_i ~ N(f_i, sigma)``.
 * Discrete local with ``K`` values: exact enumeration,
   ``log sum_k p(z_i = k) p(y_i | z_i = k)``.
 
@@ -32,8 +32,11 @@ import numpy as np
 import pymc as pm
 import pytensor.tensor as pt
 from pymc.variational.minibatch_rv import MinibatchRandomVariable, get_scaling
-from pytensor.graph.replace import vectorize_graph
-from pytensor.tensor.elemwise import DimShuffle
+from pytensor.gradient import disconnected_grad
+from pytensor.graph.replace import graph_replace, vectorize_graph
+from pytensor.graph.traversal import graph_inputs, io_toposort
+from pytensor.scalar import basic as ps
+from pytensor.tensor.elemwise import DimShuffle, Elemwise
 from pytensor.tensor.random.basic import NormalRV
 from pytensor.tensor.shape import SpecifyShape
 
@@ -42,7 +45,7 @@ from pymc_mcssvi.exceptions import UnsupportedModelError
 from pymc_mcssvi.recognize.graph import as_float, remove_checks
 from pymc_mcssvi.recognize.roles import base_op, dist_params
 
-__all__ = ["marginal_logp"]
+__all__ = ["MAX_NEWTON_STEP", "NEWTON_STEPS", "isolate_addend", "laplace_nodes", "marginal_logp"]
 
 
 def marginal_logp(
@@ -71,6 +74,7 @@ def marginal_logp(
         raise ValueError(f"bound must be 'optimal' or 'jensen', got {bound!r}")
     obs = model[local.observed]
     logp_y, minibatch_scale = _unscaled_logp(model, obs)
+    logp_y = isolate_addend(logp_y, local.value)
     params = model.replace_rvs_by_values(dist_params(local.rv))
     value = local.value
     shape = local.shape
@@ -81,21 +85,126 @@ def marginal_logp(
     closed = _gaussian_closed_form(obs, value, logp_y, loc, scale, bound, model)
     if closed is not None:
         return minibatch_scale * closed
-    if inner == "quadrature":
+    if inner not in ("quadrature", "mc"):
+        raise ValueError(f"inner must be 'quadrature' or 'mc', got {inner!r}")
+    if inner == "quadrature" and bound == "optimal":
+        nodes, logv = laplace_nodes(logp_y, value, loc, scale, int(n_inner))
+    elif inner == "quadrature":  # a smooth expectation under the prior itself
         u, v = gauss_hermite(int(n_inner))
         u = pt.constant(u.reshape((-1,) + (1,) * len(shape)))
         logv = pt.constant(np.log(v).reshape((-1,) + (1,) * len(shape)))
-    elif inner == "mc":
+        nodes = loc[None] + scale[None] * u
+    else:
         u = pt.random.normal(size=(int(n_inner), *shape))
         logv = pt.constant(-np.log(n_inner))
-    else:
-        raise ValueError(f"inner must be 'quadrature' or 'mc', got {inner!r}")
-    nodes = loc[None] + scale[None] * u
+        nodes = loc[None] + scale[None] * u
     per_node = vectorize_graph(logp_y, {value: nodes})
     if bound == "optimal":
         return minibatch_scale * pt.logsumexp(logv + per_node, axis=0)
     weights = pt.exp(logv) if inner == "quadrature" else 1.0 / n_inner
     return minibatch_scale * pt.sum(weights * per_node, axis=0)
+
+
+#: Newton steps towards the mode of each local's integrand (:func:`laplace_nodes`).
+NEWTON_STEPS = 6
+#: Largest Newton step, in prior sds of the local.
+MAX_NEWTON_STEP = 2.0
+
+
+def laplace_nodes(logp_y, value, loc, scale, n: int):
+    r"""Adaptive Gauss-Hermite nodes and log weights for :math:`\int p(y \mid f) N(f; a, s^2) df`.
+
+    With ``(nodes, logw)`` of shape ``(n, *shape)``,
+    ``log sum_k exp(logw_k + logp_y(nodes_k))`` is the log of the integral for
+    every row. The nodes are centred on the mode ``c`` of the integrand and scaled
+    by its curvature ``t`` (a Laplace approximation, found by
+    :data:`NEWTON_STEPS` damped Newton steps from the prior mean), and the weights
+    carry the ratio of the prior density to the standard normal one. Nodes placed
+    on the prior instead miss a likelihood much narrower than it: a Poisson count
+    of 80 pins ``f`` to +-0.11, which 12 nodes spread over a prior sd of 0.55 do
+    not resolve, and the bound then favours a larger prior sd (grouseticks with
+    an observation-level effect: its sd came out 0.95 where NUTS gives 0.55).
+
+    The change of variables is exact for any ``c`` and ``t``, so they are held
+    constant for gradients (``disconnected_grad``): derivatives are the quadrature
+    of the derivatives, as with fixed nodes.
+
+    Parameters
+    ----------
+    logp_y : TensorVariable
+        Elementwise ``log p(y_i | f_i)``, a graph in ``value``.
+    value : TensorVariable
+        The local's value variable.
+    loc, scale : TensorVariable
+        The local's prior mean and sd, broadcast to its shape.
+    n : int
+        Number of nodes.
+
+    Examples
+    --------
+    >>> import numpy as np, pytensor.tensor as pt
+    >>> from pytensor.graph.replace import vectorize_graph
+    >>> from scipy import integrate, special, stats
+    >>> f = pt.vector("f")
+    >>> logp = 80 * f - pt.exp(f) - special.gammaln(81.0)  # Poisson(80 | exp(f))
+    >>> loc, scale = pt.as_tensor([3.0]), pt.as_tensor([0.55])
+    >>> nodes, logw = laplace_nodes(logp, f, loc, scale, 12)
+    >>> got = pt.logsumexp(logw + vectorize_graph(logp, {f: nodes}), axis=0).eval()[0]
+    >>> lik = lambda x: stats.poisson(np.exp(x)).pmf(80) * stats.norm(3, 0.55).pdf(x)
+    >>> exact = np.log(integrate.quad(lik, 2, 6, epsabs=0, epsrel=1e-12)[0])
+    >>> bool(abs(got - exact) < 1e-8)
+    True
+    """
+    u, v = gauss_hermite(n)
+    ndim = value.ndim
+    u = pt.constant(u.reshape((-1,) + (1,) * ndim))
+    logv = pt.constant(np.log(v).reshape((-1,) + (1,) * ndim))
+    d1 = pt.grad(pt.sum(logp_y), value)
+    d2 = pt.grad(pt.sum(d1), value)
+    prior_prec = 1.0 / pt.square(scale)
+    f = loc
+    for _ in range(NEWTON_STEPS):
+        g1, g2 = graph_replace([d1, d2], {value: f}, strict=False)
+        curv = prior_prec + pt.maximum(-g2, 0.0)
+        step = (g1 + (loc - f) * prior_prec) / curv
+        step = pt.clip(step, -MAX_NEWTON_STEP * scale, MAX_NEWTON_STEP * scale)
+        f = f + pt.switch(pt.isfinite(step), step, 0.0)
+    g2 = graph_replace(d2, {value: f}, strict=False)
+    t = 1.0 / pt.sqrt(prior_prec + pt.maximum(-g2, 0.0))
+    c = disconnected_grad(pt.switch(pt.isfinite(f), f, loc))
+    t = disconnected_grad(pt.switch(pt.isfinite(t) & (t > 0), t, scale))
+    nodes = c[None] + t[None] * u
+    z = (nodes - loc[None]) / scale[None]
+    logw = logv + pt.log(t / scale)[None] - 0.5 * pt.square(z) + 0.5 * pt.square(u)
+    return nodes, logw
+
+
+def isolate_addend(logp, value):
+    """``logp`` with every flat sum ``add(x_1, ..., x_k, value)`` rewritten as
+    ``add(add(x_1, ..., x_k), value)``.
+
+    The local ``e`` of an observation-level effect ``exp(X @ b + u[g] + e)`` is one
+    input of PyTensor's flat sum; the rest of the sum, the predictor the local is
+    added to, becomes a node of its own that the nodes of :func:`laplace_nodes`
+    and their Newton steps all share, so the recognizer finds it as the one
+    predictor through which the marginal reads the globals.
+    """
+    replace = {}
+    for node in io_toposort(graph_inputs([logp]), [logp]):
+        if not (isinstance(node.op, Elemwise) and isinstance(node.op.scalar_op, ps.Add)):
+            continue
+        others = [i for i in node.inputs if _strip_dimshuffle(i) is not value]
+        if len(others) < 2 or len(others) == len(node.inputs):
+            continue
+        mine = [i for i in node.inputs if _strip_dimshuffle(i) is value]
+        replace[node.outputs[0]] = pt.add(pt.add(*others), *mine)
+    return graph_replace(logp, replace, strict=False) if replace else logp
+
+
+def _strip_dimshuffle(v):
+    while v.owner is not None and isinstance(v.owner.op, DimShuffle):
+        v = v.owner.inputs[0]
+    return v
 
 
 def _unscaled_logp(model, obs):

@@ -936,10 +936,13 @@ class StructuredVI(Inference):
             self._fit_hyper_marginal()
         factories = []
         if getattr(self, "_view", None) is not None:
-            k = self.kernel
-            work = self.work_estimate() / max(len(k.hypers.w), 1)
-            sampler = ConditionalGlobals(k, self.model, self.approx.groups[0], work)
-            factories.append(lambda: sampler)
+            if getattr(self, "_conditional_globals", None) is None:
+                k = self.kernel
+                work = self.work_estimate() / max(len(k.hypers.w), 1)
+                self._conditional_globals = ConditionalGlobals(
+                    k, self.model, self.approx.groups[0], work
+                )
+            factories.append(lambda: self._conditional_globals)
         if self.tlm.locals:
             factories += [
                 functools.partial(

@@ -38,6 +38,7 @@ __all__ = [
     "likelihood_term",
     "maximal_affine_nodes",
     "predictor_candidates",
+    "split_broadcast_addends",
 ]
 
 
@@ -63,14 +64,14 @@ def maximal_affine_nodes(logp: Variable, lin: _Linearizer) -> list[Variable]:
     return cuts
 
 
-def predictor_candidates(logp: Variable, lin: _Linearizer):
+def predictor_candidates(logp: Variable, lin: _Linearizer, preferred=()):
     """Affine nodes through which all of ``logp``'s dependence on the globals flows.
 
     Yields the single maximal affine node first when there is one, then every
     other separating affine node from the output downwards (e.g. ``mu`` when a
     censored likelihood reads it through both ``(c - mu) / sigma`` and
     ``(y - mu) / sigma``, or ``eta`` when an ordered logistic reads it through
-    ``eta[:, None] - cutpoints``).
+    ``eta[:, None] - cutpoints``). ``preferred`` nodes come right after the maximal one.
     """
     cuts = maximal_affine_nodes(logp, lin)
     tried = set()
@@ -78,6 +79,11 @@ def predictor_candidates(logp: Variable, lin: _Linearizer):
         tried.add(cuts[0])
         if _separates(logp, cuts[0], lin):
             yield cuts[0]
+    for v in preferred:
+        if v not in tried:
+            tried.add(v)
+            if _separates(logp, v, lin):
+                yield v
     for node in reversed(io_toposort(list(lin.wrt), [logp])):
         for v in node.outputs:
             if v in tried or not _is_float(v) or not lin.depends(v):
@@ -86,6 +92,47 @@ def predictor_candidates(logp: Variable, lin: _Linearizer):
             form = lin(v)
             if form is not None and form.terms and _separates(logp, v, lin):
                 yield v
+
+
+def split_broadcast_addends(logp: Variable, lin: _Linearizer):
+    """``(logp, cores)``: ``logp`` with each maximal affine sum split into its part in the
+    globals (a core, kept at its own smaller shape) plus the rest.
+
+    A local integrated out by quadrature (:func:`~pymc_mcssvi.bounds.locals.marginal_logp`)
+    puts its nodes into the sum that forms the predictor: an observation-level random
+    effect ``exp(X @ b + u[g] + e)`` becomes one flat ``add(b0, X @ b, u[g], s_e * nodes)``
+    of shape ``(nodes, rows)``, whose entries are not separable (each row's log density
+    reads all its nodes). The part in the globals, ``X @ b + u[g]`` of shape ``(rows,)``,
+    is; it was not a node of the graph until this split.
+    """
+    replace, cores = {}, []
+    for v in maximal_affine_nodes(logp, lin):
+        node = v.owner
+        if not (
+            node is not None
+            and isinstance(node.op, Elemwise)
+            and isinstance(node.op.scalar_op, ps.Add)
+        ):
+            continue
+        dep = [i for i in node.inputs if lin.depends(i)]
+        rest = [i for i in node.inputs if not lin.depends(i)]
+        if not dep or not rest:
+            continue
+        eta = dep[0] if len(dep) == 1 else pt.add(*dep)
+        lead = 0  # leading axes that only the other addends fill
+        while (
+            lead < eta.ndim - 1 and eta.type.broadcastable[lead] and not v.type.broadcastable[lead]
+        ):
+            lead += 1
+        if lead == 0:
+            continue
+        core = eta.dimshuffle(list(range(lead, eta.ndim)))
+        replace[v] = pt.add(pt.shape_padleft(core, lead), *rest)
+        cores.append(core)
+    if not replace:
+        return logp, []
+    # the cores survive the replacement: they are built from v's inputs only
+    return graph_replace(logp, replace, strict=False), cores
 
 
 def _is_float(v) -> bool:
@@ -110,7 +157,8 @@ def likelihood_term(
     mixture operations).
     """
     lin = _Linearizer(gvalues, gshapes)
-    for eta in predictor_candidates(logp, lin):
+    logp, cores = split_broadcast_addends(logp, lin)
+    for eta in predictor_candidates(logp, lin, preferred=cores):
         placeholder = eta.type()
         placeholder.name = f"{name}_predictor"
         replaced = graph_replace(logp, {eta: placeholder}, strict=False)

@@ -1,0 +1,64 @@
+"""Draws of the Gaussian globals from q(w | h) re-fitted at each draw of the hyperparameters."""
+
+import numpy as np
+import pymc as pm
+
+import pymc_mcssvi  # noqa: F401  (registers the methods)
+from pymc_mcssvi.pymc.conditional import ConditionalGlobals
+
+
+def _lmm(rng, G=5, n=60):
+    g = np.concatenate([np.arange(G), rng.integers(0, G, n - G)])
+    y = 1.0 + rng.normal(scale=0.7, size=G)[g] + rng.normal(scale=0.8, size=n)
+    with pm.Model() as m:
+        b0 = pm.Normal("b0", 0, 5)
+        sd_a = pm.HalfNormal("sd_a", 1)
+        sigma = pm.HalfNormal("sigma", 1)
+        a = pm.Normal("a", 0, sd_a, shape=G)
+        pm.Normal("y", b0 + a[g], sigma, observed=y)
+    return m, g, y
+
+
+def test_refit_is_the_exact_conditional_posterior_of_a_gaussian_model(rng):
+    """Gaussian likelihood: at any (sd_a, sigma) the re-fitted q(w | h) is the closed-form
+    posterior of (b0, a) given them, for every draw of a batch (natural steps with rho = 1
+    are exact in one step; the batch is vectorized)."""
+    m, g, y = _lmm(rng)
+    with m:
+        approx = pm.fit(method="hmcssvi", random_seed=1, progressbar=False)
+    sampler = approx._conditional_samplers()[0]
+    assert isinstance(sampler, ConditionalGlobals)
+    h = np.array([[-1.5, -0.4], [-0.2, -0.2], [0.5, 0.3]])  # log sd_a, log sigma
+    means, factors, ok = sampler.refit([h[:, 0], h[:, 1]])
+    assert ok.all()
+    group = approx.groups[0]
+    G = g.max() + 1
+    D = np.column_stack([np.ones(len(y)), np.eye(G)[g]])
+    order = np.r_[group.ordering["b0"][1], np.arange(G) + group.ordering["a"][1].start]
+    for i, (la, ls) in enumerate(h):
+        s_a, s_y = np.exp(la), np.exp(ls)
+        P = np.diag(np.r_[1 / 25, np.full(G, 1 / s_a**2)]) + D.T @ D / s_y**2
+        mean = np.linalg.solve(P, D.T @ y / s_y**2)
+        flat_m, flat_P = np.empty(group.ddim), np.zeros((group.ddim, group.ddim))
+        for m_s, L_s, idx in zip(means, factors, group.flat_maps, strict=True):
+            idx = np.asarray(idx)
+            flat_m[idx.reshape(-1)] = m_s[i].reshape(-1)
+            for r in range(idx.shape[0]):
+                flat_P[np.ix_(idx[r], idx[r])] = L_s[i, r] @ L_s[i, r].T
+        np.testing.assert_allclose(flat_m[order], mean, atol=1e-8)
+        np.testing.assert_allclose(flat_P[np.ix_(order, order)], P, rtol=1e-8, atol=1e-8)
+
+
+def test_draws_are_reproducible_and_not_refitted_when_too_expensive(rng, monkeypatch):
+    m, _, _ = _lmm(rng)
+    with m:
+        approx = pm.fit(method="hmcssvi", random_seed=1, progressbar=False)
+    a1 = approx.sample(50, random_seed=3).posterior["a"].values
+    a2 = approx.sample(50, random_seed=3).posterior["a"].values
+    np.testing.assert_array_equal(a1, a2)
+    sampler = approx._conditional_samplers()[0]
+    calls = []
+    monkeypatch.setattr(sampler, "refit", lambda hs: calls.append(hs) or 1 / 0)
+    monkeypatch.setattr("pymc_mcssvi.pymc.conditional.EXACT_CONDITIONAL_WORK", 0.0)
+    approx.sample(50, random_seed=3)  # the linear-response draws: no re-fit
+    assert calls == []

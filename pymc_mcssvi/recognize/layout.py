@@ -14,10 +14,19 @@ import numpy as np
 from pymc_mcssvi.exceptions import UnsupportedModelError
 from pymc_mcssvi.recognize.ir import GaussianGlobal, Segment
 
-__all__ = ["MAX_FULL_DIM", "build_segments", "resolve_structure"]
+__all__ = ["MAX_CROSSED_FULL_DIM", "MAX_FULL_DIM", "build_segments", "resolve_structure"]
 
 #: Largest total dimension for which the automatic layout keeps one full covariance.
 MAX_FULL_DIM = 1000
+#: The same when observations read two large effect vectors at different rows
+#: (crossed or nested grouping factors). The block-arrow q keeps the couplings of
+#: the blocks with the fixed effects, not those between two factors' blocks, so
+#: its natural step is block-Jacobi between the factors: a crossed Poisson GLMM
+#: with 900 subjects x 200 items (1102 dims) took 3873 iterations (102 s) with it,
+#: 39 (26 s) with one full covariance.
+MAX_CROSSED_FULL_DIM = 2000
+#: Effect vectors up to this size always join the full head of the layout.
+SMALL_GLOBAL = 64
 
 
 def resolve_structure(
@@ -25,6 +34,7 @@ def resolve_structure(
     cov: str | dict | None,
     joint_blocks: list[list[int]] | None = None,
     row_blocks: set[int] | None = None,
+    crossed: bool = False,
 ) -> dict[int, str]:
     """Choose ``"full"``, ``"block"`` or ``"diag"`` for every Gaussian global.
 
@@ -40,6 +50,10 @@ def resolve_structure(
     row_blocks : set of int, optional
         Globals read through a bilinear predictor (matrix factorization): the
         automatic choice is one block per row (the paper's factorized q).
+    crossed : bool
+        Whether an observation reads two large effect vectors at different rows;
+        the automatic choice then keeps one full covariance up to
+        :data:`MAX_CROSSED_FULL_DIM` dimensions instead of :data:`MAX_FULL_DIM`.
 
     Returns
     -------
@@ -68,15 +82,16 @@ def resolve_structure(
             raise ValueError(f"cov must be one of {sorted(valid)} or a dict of them, got {kind!r}")
 
     total = sum(g.size for g in gaussians)
+    limit = MAX_CROSSED_FULL_DIM if crossed else MAX_FULL_DIM
     out = {}
     for i, g in enumerate(gaussians):
         kind = per_var.get(i, default)
         if kind == "auto" and row_blocks and i in row_blocks and len(g.shape) >= 2:
             kind = "block"
-        if kind == "auto" and total > MAX_FULL_DIM and _in_joint(i, joint_blocks):
+        if kind == "auto" and total > limit and _in_joint(i, joint_blocks):
             kind = "block"
         if kind == "auto":
-            if total <= MAX_FULL_DIM or g.size <= 64:
+            if total <= limit or g.size <= SMALL_GLOBAL:
                 kind = "full"
             elif len(g.shape) >= 2:
                 kind = "block"

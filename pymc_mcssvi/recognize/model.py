@@ -32,7 +32,7 @@ from pymc_mcssvi.recognize.ir import (
     PredictorTerm,
     TwoLevelModel,
 )
-from pymc_mcssvi.recognize.layout import build_segments, resolve_structure
+from pymc_mcssvi.recognize.layout import SMALL_GLOBAL, build_segments, resolve_structure
 from pymc_mcssvi.recognize.likelihood import (
     bilinear_term,
     check_gather_indices,
@@ -213,7 +213,10 @@ def recognize(
         )
 
     joint = _joint_blocks(predictor_terms, gaussians)
-    structure = resolve_structure(gaussians, cov, joint, row_blocks=bilinear_sources)
+    crossed = _crossed_factors(predictor_terms, gaussians, joint)
+    structure = resolve_structure(
+        gaussians, cov, joint, row_blocks=bilinear_sources, crossed=crossed
+    )
     segments = build_segments(gaussians, structure, joint)
     return TwoLevelModel(
         model=model,
@@ -418,6 +421,26 @@ def _joint_blocks(terms: list[PredictorTerm], gaussians) -> list[list[int]]:
                 if len(grp) > 1 and grp not in groups:
                     groups.append(grp)
     return groups
+
+
+def _crossed_factors(terms: list[PredictorTerm], gaussians, joint) -> bool:
+    """Whether one likelihood term gathers two large effect vectors (more than
+    :data:`~pymc_mcssvi.recognize.layout.SMALL_GLOBAL` entries) that are not read
+    at the same rows: crossed or nested grouping factors, coupled through every
+    observation that reads both."""
+    for t in terms:
+        if t.kind != "likelihood":
+            continue
+        factors = set()
+        for tt in t.terms:
+            g = gaussians[tt.source]
+            if tt.is_dense or not g.shape or g.size <= SMALL_GLOBAL:
+                continue
+            grp = next((tuple(j) for j in joint if tt.source in j), (tt.source,))
+            factors.add(grp)
+        if len(factors) > 1:
+            return True
+    return False
 
 
 def _same_rows(tts, gaussians):

@@ -37,8 +37,10 @@ from pytensor.gradient import jacobian
 from pytensor.graph.basic import Constant
 from pytensor.graph.replace import graph_replace, vectorize_graph
 from pytensor.graph.rewriting.basic import node_rewriter
+from pytensor.graph.traversal import graph_inputs, io_toposort
 from pytensor.tensor.basic import Split
 from pytensor.tensor.blockwise import Blockwise
+from pytensor.tensor.shape import Shape, Shape_i
 
 from pymc_mcssvi.algorithms.arrow import arrow_solve
 from pymc_mcssvi.algorithms.optimizers import Optimizer
@@ -81,6 +83,11 @@ class HyperSpec:
         Largest change of any unconstrained coordinate in one step.
     init_sd : float
         ``"meanfield"`` mode: initial standard deviation of q(h).
+    fixed_shapes : bool
+        ``"meanfield"`` mode: read the shapes of h-dependent tensors at a fixed h
+        before batching over the sigma points (:func:`shapes_at_fixed`); needed
+        by covariance-matrix hyperparameters, off otherwise (it adds the
+        unbatched graphs those shapes are read from).
     """
 
     values: list
@@ -89,6 +96,7 @@ class HyperSpec:
     optimizer: Optimizer | None = None
     max_step: float = 1.0
     init_sd: float = 0.1
+    fixed_shapes: bool = False
 
     @property
     def size(self) -> int:
@@ -166,6 +174,32 @@ def unbatch_constant_split(fgraph, node):
     batch = x.ndim - len(node.op.inputs_sig[0])
     outs = pt.split(x, rows[0], n_splits=core.len_splits, axis=core.axis + batch)
     return list(outs)
+
+
+def shapes_at_fixed(h, outputs):
+    """``outputs`` with the shape of every tensor that depends on ``h`` (a variable or
+    a list of them, of static shapes) read from the same tensor at ``h = 0``.
+
+    Shapes do not depend on ``h``'s value, but ``vectorize_graph`` over draws of
+    ``h`` batches them: ``Reshape`` and ``Alloc`` then get a batch of target shapes,
+    become ``Blockwise`` ops whose outputs lose the static length-1 axes of the
+    unbatched graph, and the rewrites drop the broadcasts that relied on them
+    (an LKJ covariance read as ``z @ chol.T`` indexed a length-1 axis by the
+    group index: ``IndexError`` in the step). Read at a fixed ``h`` they stay
+    unbatched and the batched graph keeps native ops.
+    """
+    hs = [h] if isinstance(h, pytensor.graph.basic.Variable) else list(h)
+    twins = {
+        v: pt.constant(np.zeros(v.type.shape, dtype=v.dtype))
+        for v in hs
+        if None not in v.type.shape
+    }
+    replace = {}
+    for node in io_toposort(list(graph_inputs(outputs)), outputs):
+        if isinstance(node.op, Shape | Shape_i) and depends_on_any(node.inputs[0], hs):
+            (fixed,) = graph_replace([node.inputs[0]], twins, strict=False)
+            replace[node.outputs[0]] = node.op(fixed)
+    return graph_replace(outputs, replace, strict=False) if replace else list(outputs)
 
 
 def _shared(value, name):
@@ -438,6 +472,8 @@ class MeanFieldHyperparameters:
         st = GaussianBlocks(self.cand_mean, self.cand_factor)
         draws = self._draws(st)
         singles = [*outs, grad]
+        if self.spec.fixed_shapes:
+            singles = shapes_at_fixed(h, singles)
         batched = vectorize_graph(singles, {h: draws})
         w = pt.constant(self.w)
         # Outputs that do not involve h are left unbatched by vectorize_graph.

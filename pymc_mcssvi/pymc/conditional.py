@@ -34,6 +34,7 @@ from pytensor.graph.traversal import io_toposort
 from pytensor.tensor.blockwise import Blockwise
 from threadpoolctl import threadpool_limits
 
+from pymc_mcssvi.algorithms.hyperparameters import shapes_at_fixed
 from pymc_mcssvi.algorithms.marginal import REFIT_TOL, refit_graph
 from pymc_mcssvi.pymc.python_vm import graph_building, python_few_calls_mode
 
@@ -113,6 +114,8 @@ class ConditionalGlobals:
         k = self.kernel
         with graph_building():
             inputs, outputs = _inlined(*refit_graph(k, project=False))
+            if k.hypers.spec.fixed_shapes:
+                outputs = shapes_at_fixed(inputs, outputs)
             batched = [
                 pt.tensor(v.name, dtype=v.dtype, shape=(None, *v.type.shape)) for v in inputs
             ]

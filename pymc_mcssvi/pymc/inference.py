@@ -60,7 +60,7 @@ from pymc_mcssvi.algorithms.schedules import make_schedule
 from pymc_mcssvi.algorithms.sdsvi import SDSVIStep
 from pymc_mcssvi.bounds.structured import StructuredBound
 from pymc_mcssvi.estimators.general import flat_indices
-from pymc_mcssvi.exceptions import DivergenceError, UnsupportedModelError
+from pymc_mcssvi.exceptions import DivergenceError
 from pymc_mcssvi.families.batched import register_jax_dispatch
 from pymc_mcssvi.families.gaussian import GaussianBlocks
 from pymc_mcssvi.pymc.approximation import (
@@ -126,9 +126,9 @@ def covariance_hyperparameters(tlm, model) -> list[str]:
 
     An ``LKJCholeskyCov`` / ``LKJCorr`` factor (used as ``z @ chol.T`` or as
     the ``chol`` of a ``pm.MvNormal``), or any hyperparameter in the covariance
-    of an ``MvNormal`` Gaussian global. ``hyper="meanfield"`` does not support
-    them: its sigma-point expectations of such priors fail (an ``IndexError``
-    in the step, or a compilation that runs out of memory).
+    of an ``MvNormal`` Gaussian global. Their mean-field sigma points need the
+    step's shapes read at a fixed h
+    (:func:`~pymc_mcssvi.algorithms.hyperparameters.shapes_at_fixed`).
     """
     names = []
     hyper_values = [h.value for h in tlm.hypers]
@@ -150,33 +150,9 @@ def covariance_hyperparameters(tlm, model) -> list[str]:
 
 
 def resolve_hyper_mode(tlm, model, hyper):
-    """``hyper=None`` is ``"meanfield"``, or ``"point"`` (with a warning) for covariance hyperparameters.
-
-    Raises
-    ------
-    UnsupportedModelError
-        ``hyper="meanfield"`` asked for explicitly on such a model.
-    """
-    cov_hypers = covariance_hyperparameters(tlm, model) if tlm.hypers else []
-    if not cov_hypers:
-        return hyper or "meanfield"
-    listed = ", ".join(repr(n) for n in cov_hypers)
-    if hyper == "meanfield":
-        raise UnsupportedModelError(
-            cov_hypers[0],
-            f"hyper='meanfield' does not support covariance-matrix hyperparameters ({listed})",
-            "fit with hyper='point' (their values are then point estimates), e.g. "
-            "pm.fit(method='hmcssvi', inf_kwargs={'hyper': 'point'})",
-        )
-    if hyper is None:
-        warnings.warn(
-            f"{listed} parameterize(s) the covariance of Gaussian effects; "
-            "hyper='meanfield' does not support that, so these and the other hyperparameters "
-            "are point estimates (hyper='point'). Pass hyper='point' to silence this warning.",
-            UserWarning,
-            stacklevel=4,
-        )
-    return "point"
+    """``hyper=None`` is ``"meanfield"``, for covariance matrices
+    (:func:`covariance_hyperparameters`) too."""
+    return hyper or "meanfield"
 
 
 class _HostStateStep:
@@ -266,10 +242,7 @@ class StructuredVI(Inference):
         see docs/benchmarks.md), or type-II ML / MAP point estimates of the
         bound (the paper's choice). See
         :mod:`pymc_mcssvi.algorithms.hyperparameters`. By default
-        ``"meanfield"``, except for models whose hyperparameters parameterize a
-        covariance matrix (``LKJCholeskyCov``, an ``MvNormal`` covariance),
-        which ``"meanfield"`` does not support: they get ``"point"`` with a
-        warning (see :func:`covariance_hyperparameters`).
+        ``"meanfield"``, also for covariance matrices (``LKJCholeskyCov``).
     schedule : {"auto", "adaptive", "inverse", "power", "constant"} or float
         Step-size schedule; ``"auto"`` is ``"adaptive"`` for full-batch fits and
         ``"power"`` for minibatch fits. See :mod:`pymc_mcssvi.algorithms.schedules`.
@@ -550,7 +523,11 @@ class StructuredVI(Inference):
                 [np.asarray(point[h.value.name], dtype="float64").reshape(-1) for h in tlm.hypers]
             )
             hyper = HyperSpec(
-                [h.value for h in tlm.hypers], [h.shape for h in tlm.hypers], init, hyper_optimizer
+                [h.value for h in tlm.hypers],
+                [h.shape for h in tlm.hypers],
+                init,
+                hyper_optimizer,
+                fixed_shapes=bool(covariance_hyperparameters(tlm, self.model)),
             )
         return means, factors, hyper
 

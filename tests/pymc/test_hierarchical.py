@@ -124,10 +124,10 @@ def test_observation_level_effect_with_large_counts_agrees_with_nuts():
         u = pm.Normal("u", 0, pm.HalfNormal("s_g", 1), shape=G)
         e = pm.Normal("e", 0, pm.HalfNormal("s_e", 1), shape=N)
         pm.Poisson("y", pm.math.exp(b0 + b1 * x + u[g] + e), observed=y)
-    ref = nuts_draws(m, "olre", draws=1000, tune=1000).posterior
+    ref = nuts_draws(m, "olre", draws=500, tune=500).posterior
     with m:
         approx = pm.fit(method="hmcssvi", progressbar=False, random_seed=1)
-    post = approx.sample(2000, random_seed=2).posterior
+    post = approx.sample(1000, random_seed=2).posterior
     for v in ("b0", "b1", "s_g", "s_e", "u"):
         mu, sd = ref[v].mean(("chain", "draw")).values, ref[v].std(("chain", "draw")).values
         z = np.abs(post[v].mean(("chain", "draw")).values - mu) / sd
@@ -208,24 +208,28 @@ def _lkj_slopes_model(J=8, N=80, seed=3):
     return m
 
 
-def test_lkj_covariance_hyperparameters_get_point_estimates_by_default():
-    """Correlated random effects (``z @ chol.T``): q(h) mean-field sigma points fail on an
-    LKJ factor (an IndexError in the step), so the default is point estimates with a
-    warning naming the variable, and an explicit ``hyper="meanfield"`` is a clear error."""
-    from pymc_mcssvi.exceptions import UnsupportedModelError
-
+def test_lkj_covariance_hyperparameters_are_meanfield_against_nuts():
+    """Correlated random effects (``z @ chol.T``): the LKJ factor is a mean-field
+    hyperparameter like any other (its sigma points used to fail with an IndexError in
+    the step: the batched shapes dropped a broadcast, so it was point-estimated with
+    sd 0). Against NUTS with 8 groups (measured: the two scales' means 0.23 / 0.30 NUTS
+    sd low, their sds 0.82 / 0.74x NUTS's; sigma, b0, b1 within 0.1 sd, sds 0.87-1.01x)."""
     model = _lkj_slopes_model()
-    with model, pytest.warns(UserWarning, match="'chol' parameterize"):
-        inf = pymc_mcssvi.HMCSSVI(random_seed=1)
-    assert inf.hyper_mode == "point"
+    ref = nuts_draws(model, "lkj_slopes", draws=500, tune=500).posterior
     with model:
+        inf = pymc_mcssvi.HMCSSVI(random_seed=1)
+        assert inf.hyper_mode == "meanfield"
         approx = inf.fit(progressbar=False)
     assert approx.converged
-    post = approx.sample(200, random_seed=2).posterior
-    assert np.isfinite(post["chol_stds"].values).all()
+    post = approx.sample(1000, random_seed=2).posterior
+    assert "point_estimates" not in post.attrs or not post.attrs["point_estimates"]
+    for v in ("chol_stds", "sigma", "b0", "b1"):
+        mu, sd = ref[v].mean(("chain", "draw")).values, ref[v].std(("chain", "draw")).values
+        z = np.abs(post[v].mean(("chain", "draw")).values - mu) / sd
+        ratio = post[v].std(("chain", "draw")).values / sd
+        assert np.all(z < 0.35), (v, z)
+        assert np.all(np.abs(ratio - 1) < 0.3), (v, ratio)
     assert np.isfinite(post["ab"].values).all()
-    with model, pytest.raises(UnsupportedModelError, match="hyper='point'"):
-        pymc_mcssvi.HMCSSVI(hyper="meanfield")
 
 
 def test_too_many_hyperparameter_coordinates_are_announced():

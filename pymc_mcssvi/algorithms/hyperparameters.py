@@ -194,12 +194,17 @@ def shapes_at_fixed(h, outputs):
         for v in hs
         if None not in v.type.shape
     }
-    replace = {}
-    for node in io_toposort(list(graph_inputs(outputs)), outputs):
-        if isinstance(node.op, Shape | Shape_i) and depends_on_any(node.inputs[0], hs):
-            (fixed,) = graph_replace([node.inputs[0]], twins, strict=False)
-            replace[node.outputs[0]] = node.op(fixed)
-    return graph_replace(outputs, replace, strict=False) if replace else list(outputs)
+    nodes = [
+        node
+        for node in io_toposort(list(graph_inputs(outputs)), outputs)
+        if isinstance(node.op, Shape | Shape_i) and depends_on_any(node.inputs[0], hs)
+    ]
+    if not nodes:
+        return list(outputs)
+    # one replacement for all of them: the fixed-h copies share their subgraphs
+    fixed = graph_replace([node.inputs[0] for node in nodes], twins, strict=False)
+    replace = {node.outputs[0]: node.op(x) for node, x in zip(nodes, fixed, strict=True)}
+    return graph_replace(outputs, replace, strict=False)
 
 
 def _shared(value, name):

@@ -89,14 +89,12 @@ def marginal_logp(
         raise ValueError(f"inner must be 'quadrature' or 'mc', got {inner!r}")
     if inner == "quadrature" and bound == "optimal":
         nodes, logv = laplace_nodes(logp_y, value, loc, scale, int(n_inner))
-    elif inner == "quadrature":  # a smooth expectation under the prior itself
-        u, v = gauss_hermite(int(n_inner))
-        u = pt.constant(u.reshape((-1,) + (1,) * len(shape)))
-        logv = pt.constant(np.log(v).reshape((-1,) + (1,) * len(shape)))
-        nodes = loc[None] + scale[None] * u
     else:
-        u = pt.random.normal(size=(int(n_inner), *shape))
-        logv = pt.constant(-np.log(n_inner))
+        if inner == "quadrature":  # a smooth expectation under the prior itself
+            u, logv = _standard_nodes(int(n_inner), len(shape))
+        else:
+            u = pt.random.normal(size=(int(n_inner), *shape))
+            logv = pt.constant(-np.log(n_inner))
         nodes = loc[None] + scale[None] * u
     per_node = vectorize_graph(logp_y, {value: nodes})
     if bound == "optimal":
@@ -155,10 +153,7 @@ def laplace_nodes(logp_y, value, loc, scale, n: int):
     >>> bool(abs(got - exact) < 1e-8)
     True
     """
-    u, v = gauss_hermite(n)
-    ndim = value.ndim
-    u = pt.constant(u.reshape((-1,) + (1,) * ndim))
-    logv = pt.constant(np.log(v).reshape((-1,) + (1,) * ndim))
+    u, logv = _standard_nodes(n, value.ndim)
     d1 = pt.grad(pt.sum(logp_y), value)
     d2 = pt.grad(pt.sum(d1), value)
     prior_prec = 1.0 / pt.square(scale)
@@ -177,6 +172,13 @@ def laplace_nodes(logp_y, value, loc, scale, n: int):
     z = (nodes - loc[None]) / scale[None]
     logw = logv + pt.log(t / scale)[None] - 0.5 * pt.square(z) + 0.5 * pt.square(u)
     return nodes, logw
+
+
+def _standard_nodes(n: int, ndim: int):
+    """Gauss-Hermite nodes of N(0, 1) and their log weights, shaped ``(n, 1, ..., 1)``."""
+    u, v = gauss_hermite(n)
+    lead = (-1,) + (1,) * ndim
+    return pt.constant(u.reshape(lead)), pt.constant(np.log(v).reshape(lead))
 
 
 def isolate_addend(logp, value):

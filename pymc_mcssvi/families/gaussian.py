@@ -301,18 +301,14 @@ def natural_step(
     P = bmm(L, pt.matrix_transpose(L))
     H = 0.5 * (H + pt.matrix_transpose(H))
     trial = cholesky((1.0 - rho) * P - rho * H)
-    if not project:
-        L_new = trial
-        if not mean_update:
-            return GaussianBlocks(m, L_new)
-        b = (1.0 - rho) * bmv(P, m) + rho * (g - bmv(H, m))
-        return GaussianBlocks(cho_solve_blocks(L_new, b), L_new)
-    bad = pt.any(pt.isnan(trial), axis=(-2, -1))
-    # The projection needs an eigendecomposition: only computed (lazily) when a block failed.
-    projected = pt.switch(bad[..., None, None], -psd_projection(-H), H)
-    H = ifelse(pt.any(bad), projected, H)
-    P_new = (1.0 - rho) * P - rho * H
-    L_new = ifelse(pt.any(bad), pt.switch(bad[..., None, None], cholesky(P_new), trial), trial)
+    L_new = trial
+    if project:
+        bad = pt.any(pt.isnan(trial), axis=(-2, -1))
+        # The projection needs an eigendecomposition: only computed (lazily) when a block failed.
+        projected = pt.switch(bad[..., None, None], -psd_projection(-H), H)
+        H = ifelse(pt.any(bad), projected, H)
+        P_new = (1.0 - rho) * P - rho * H
+        L_new = ifelse(pt.any(bad), pt.switch(bad[..., None, None], cholesky(P_new), trial), trial)
     if not mean_update:
         return GaussianBlocks(m, L_new)
     Hm = bmv(H, m)

@@ -432,8 +432,9 @@ class StructuredApproximation(Approximation):
 
         def ordered(draws=100, *, random_seed=None):
             out = inner(draws, random_seed=random_seed)
-            seed = np.random.SeedSequence(random_seed)
-            for draw, child in zip(self._conditional_samplers(), seed.spawn(8), strict=False):
+            samplers = self._conditional_samplers()
+            seeds = np.random.SeedSequence(random_seed).spawn(len(samplers))
+            for draw, child in zip(samplers, seeds, strict=True):
                 out.update(draw(out, random_seed=child))
             return {name: out[name] for name in order if name in out}
 

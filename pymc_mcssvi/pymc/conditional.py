@@ -18,8 +18,9 @@ that lowers it is retried with half the step size), then ``w = m(h) +
 L(h)^{-T} e``. It costs about as much per draw and step as a fit's iteration
 costs per sigma point, so it is used only when ``draws`` times
 :data:`EXPECTED_STEPS` times that stays below :data:`EXACT_CONDITIONAL_WORK`
-(small models, which are the ones with few groups); larger samples keep the
-linear-response draws.
+(the fit's flop estimate, checked before compiling) and, in memory measured on
+the compiled step, below :data:`EXACT_CONDITIONAL_BYTES` (small models, which
+are the ones with few groups); larger samples keep the linear-response draws.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ from pymc_mcssvi.algorithms.marginal import REFIT_TOL, refit_graph
 from pymc_mcssvi.pymc.python_vm import graph_building, python_few_calls_mode
 
 __all__ = [
+    "BATCH_BYTES",
+    "EXACT_CONDITIONAL_BYTES",
     "EXACT_CONDITIONAL_WORK",
     "EXPECTED_STEPS",
     "MAX_CONDITIONAL_STEPS",
@@ -99,8 +102,8 @@ class ConditionalGlobals:
         Measured, not estimated: the step is run on the first one and two draws of
         ``hs`` and the memory its Python VM holds (every intermediate) is compared,
         so shared inputs cancel. The fit's flop estimate misses most of it
-        (OrderedProbit, 500 rows: 64,000 flops but 1.7 MB per draw; 300 draws in
-        one call held 11 GB).
+        (OrderedProbit, 500 rows: 64,000 flops but 49 MB per draw; 100 draws in
+        one call held 5.3 GB).
         """
         if self._bytes_per_draw is None:
             held = []
@@ -189,17 +192,16 @@ class ConditionalGlobals:
         if not self.affordable(n):
             return {}
         first = [np.asarray(samples[nm], dtype="float64")[[0, min(1, n - 1)]] for nm in names]
-        with threadpool_limits(limits=1, user_api="blas"), np.errstate(all="ignore"):
-            if not self.affordable(n, first):
-                return {}
-        size = int(max(1, min(n, BATCH_BYTES // self._bytes_per_draw)))
-        rng = np.random.default_rng(random_seed)
         g = self.group
         flat = np.empty((n, g.ddim))
         keep = np.ones(n, bool)
         # small blocks, one LAPACK call each: threads cost more than they save (see
         # StructuredVI._blas_limits), badly so on a busy machine (1 ms per 8 x 8 solve)
         with threadpool_limits(limits=1, user_api="blas"), np.errstate(all="ignore"):
+            if not self.affordable(n, first):
+                return {}
+            size = int(max(1, min(n, BATCH_BYTES // self._bytes_per_draw)))
+            rng = np.random.default_rng(random_seed)
             self._draw(samples, names, n, size, rng, flat, keep)
         out = {}
         for name, (_, slc, shape, _) in g.ordering.items():

@@ -149,12 +149,6 @@ def covariance_hyperparameters(tlm, model) -> list[str]:
     return names
 
 
-def resolve_hyper_mode(tlm, model, hyper):
-    """``hyper=None`` is ``"meanfield"``, for covariance matrices
-    (:func:`covariance_hyperparameters`) too."""
-    return hyper or "meanfield"
-
-
 class _HostStateStep:
     """A JAX-compiled step that leaves NumPy arrays in the shared state.
 
@@ -373,7 +367,8 @@ class StructuredVI(Inference):
             t0 = time.perf_counter()
             self.tlm = recognize(self.model, cov=cov, bound=bound, inner=inner, n_inner=n_inner)
             self.recognition_time = time.perf_counter() - t0
-            self.hyper_mode = hyper = resolve_hyper_mode(self.tlm, self.model, hyper)
+            # covariance matrices (covariance_hyperparameters) are mean-field too
+            self.hyper_mode = hyper = hyper or "meanfield"
             if row_subsample is not None and not self.tlm.bilinear_terms:
                 mixed = [
                     t.name for t in self.tlm.general_terms if t.reason.startswith(MIXED_BILINEAR)

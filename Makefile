@@ -17,7 +17,7 @@ demo: $(STAMP)
 	$(BIN)/python -m pymc_mcssvi.demo
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -x --durations=15 --doctest-modules pymc_mcssvi tests
+	$(BIN)/python -m pytest -q -x -n auto --durations=15 --doctest-modules pymc_mcssvi tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

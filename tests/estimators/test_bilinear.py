@@ -83,7 +83,7 @@ def test_binary_pmf_predictive_probabilities_close_to_nuts(method):
         Vd = idata.posterior["V"].values.reshape(-1, C, K)
         return expit(np.einsum("snk,snk->sn", Ud[:, s[n:]], Vd[:, d[n:]])).mean(0)
 
-    ref = predictive(nuts_draws(model, "binary_pmf", draws=600, tune=600))
+    ref = predictive(nuts_draws(model, "binary_pmf"))
     with model:
         approx = pm.fit(
             method=method,

@@ -89,7 +89,7 @@ def glmm():
 
 
 def test_glmm_fixed_effects_and_scales_agree_with_nuts(glmm):
-    ref = nuts_draws(glmm, "glmm_nc", draws=1000, tune=1000).posterior
+    ref = nuts_draws(glmm, "glmm_nc").posterior
     with glmm:
         approx = pm.fit(method="hmcssvi", progressbar=False, random_seed=1)
     assert approx.converged
@@ -124,7 +124,7 @@ def test_observation_level_effect_with_large_counts_agrees_with_nuts():
         u = pm.Normal("u", 0, pm.HalfNormal("s_g", 1), shape=G)
         e = pm.Normal("e", 0, pm.HalfNormal("s_e", 1), shape=N)
         pm.Poisson("y", pm.math.exp(b0 + b1 * x + u[g] + e), observed=y)
-    ref = nuts_draws(m, "olre", draws=500, tune=500).posterior
+    ref = nuts_draws(m, "olre").posterior
     with m:
         approx = pm.fit(method="hmcssvi", progressbar=False, random_seed=1)
     post = approx.sample(1000, random_seed=2).posterior
@@ -215,7 +215,7 @@ def test_lkj_covariance_hyperparameters_are_meanfield_against_nuts():
     sd 0). Against NUTS with 8 groups (measured: the two scales' means 0.23 / 0.30 NUTS
     sd low, their sds 0.82 / 0.74x NUTS's; sigma, b0, b1 within 0.1 sd, sds 0.87-1.01x)."""
     model = _lkj_slopes_model()
-    ref = nuts_draws(model, "lkj_slopes", draws=500, tune=500).posterior
+    ref = nuts_draws(model, "lkj_slopes").posterior
     with model:
         inf = pymc_mcssvi.HMCSSVI(random_seed=1)
         assert inf.hyper_mode == "meanfield"

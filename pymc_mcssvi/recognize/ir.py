@@ -54,7 +54,7 @@ class GaussianGlobal:
         The random variable and its value variable (untransformed).
     shape : tuple of int
         Static shape of the variable.
-    prior : {"normal", "mvnormal", "studentt", "laplace", "cauchy", "logistic"}
+    prior : {"normal", "mvnormal", "zerosum", "studentt", "laplace", "cauchy", "logistic"}
         Family of the prior as written in the model. The Gaussian ones enter the
         bound as whitened residuals (closed form); the others as a
         one-dimensional log density term in the variable, like a likelihood.

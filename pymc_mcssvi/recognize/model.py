@@ -42,6 +42,7 @@ from pymc_mcssvi.recognize.likelihood import (
     likelihood_term,
 )
 from pymc_mcssvi.recognize.roles import assign_roles, base_op, dist_params
+from pymc_mcssvi.recognize.zerosum import zerosum_as_linear
 
 __all__ = ["MAX_GENERAL_DIM", "recognize"]
 
@@ -97,6 +98,11 @@ def recognize(
     (['w'], 'dense affine')
     """
     model = pm.modelcontext(model)
+    with zerosum_as_linear(model):
+        return _recognize(model, cov, bound, inner, n_inner)
+
+
+def _recognize(model, cov, bound, inner, n_inner) -> TwoLevelModel:
     _check_imputation(model)
     for obs in model.observed_RVs:
         _check_observed_data(model, obs)
@@ -313,16 +319,18 @@ def _scaling(model, obs) -> str:
 def _prior_term(model, g: GaussianGlobal, gvalues, gshapes):
     """Gaussian prior of ``g`` as a whitened residual plus its normalizer.
 
-    A non-Gaussian prior on the real line (``g.prior`` not ``"normal"`` or
-    ``"mvnormal"``) becomes a predictor term in ``g`` with its own log density,
-    whose expectations the bound computes by quadrature.
+    A non-Gaussian prior on the real line (``g.prior`` not ``"normal"``,
+    ``"mvnormal"`` or ``"zerosum"``) becomes a predictor term in ``g`` with its
+    own log density, whose expectations the bound computes by quadrature. A
+    ``ZeroSumNormal``'s unconstrained value is ``N(0, sigma^2)`` entrywise
+    (:mod:`~pymc_mcssvi.recognize.zerosum`).
     """
-    if g.prior not in ("normal", "mvnormal"):
+    if g.prior not in ("normal", "mvnormal", "zerosum"):
         return _non_gaussian_prior_term(model, g, gvalues, gshapes)
     params = model.replace_rvs_by_values(dist_params(g.rv))
     value = g.value
-    if g.prior == "normal":
-        mu, sigma = (as_float(p) for p in params)
+    if g.prior in ("normal", "zerosum"):
+        mu, sigma = (0.0, as_float(params[0])) if g.prior == "zerosum" else map(as_float, params)
         sigma_b = pt.broadcast_to(sigma, g.shape)
         resid = pt.broadcast_to((value - mu) / sigma, g.shape)
         const = -pt.sum(pt.log(sigma_b))

@@ -10,7 +10,10 @@ Order of decisions (ARCHITECTURE.md §1, §6):
 2. **Rayleigh globals** -- ``pymc_mcssvi.Rayleigh`` or ``pm.Weibull(alpha=2)``
    whose scale involves no other latent of the model except hyperparameters;
 3. **Gaussian globals** -- the remaining untransformed ``pm.Normal`` /
-   ``pm.MvNormal`` variables whose prior location is affine in the other
+   ``pm.MvNormal`` variables and ``pm.ZeroSumNormal`` effects (in their
+   unconstrained space, see :mod:`~pymc_mcssvi.recognize.zerosum`), and
+   Student-t, Laplace, Cauchy and logistic priors on the real line, whose prior
+   location is affine in the other
    Gaussian globals and whose prior scale involves none of them (iterative
    demotion: a candidate that sets another variable's scale, enters a location
    non-linearly, or parameterizes a non-Gaussian prior becomes a
@@ -23,8 +26,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+import pytensor.tensor as pt
 from pymc.distributions.continuous import WeibullBetaRV
-from pymc.distributions.multivariate import MvNormalRV
+from pymc.distributions.multivariate import MvNormalRV, ZeroSumNormalRV
 from pymc.distributions.timeseries import (
     GARCH11RV,
     AutoRegressiveRV,
@@ -48,6 +52,7 @@ from pymc_mcssvi.exceptions import UnsupportedModelError
 from pymc_mcssvi.recognize.affine import linearize
 from pymc_mcssvi.recognize.graph import depends_on_any, is_entrywise, is_separable, remove_checks
 from pymc_mcssvi.recognize.ir import GaussianGlobal, Hyperparameter, LocalLatent, RayleighGlobal
+from pymc_mcssvi.recognize.zerosum import LinearZeroSumTransform
 
 __all__ = ["Roles", "assign_roles", "base_op", "dist_params"]
 
@@ -193,7 +198,7 @@ def _demote_likelihood_scales(model, cand, values, vshape, params, local_rvs, de
     size = {rv: int(np.prod(vshape[rv], dtype=int)) for rv in cand}
     in_location = set()
     for rv in cand:
-        loc = params[rv][0]
+        loc, _ = _loc_and_others(rv, params[rv])
         in_location.update(c for c in cand if c is not rv and depends_on_any(loc, [values[c]]))
     for rv in local_rvs:
         in_location.update(c for c in cand if depends_on_any(params[rv][0], [values[c]]))
@@ -238,6 +243,8 @@ NON_GAUSSIAN_PRIORS = {
 def _loc_and_others(rv, ps):
     """The location parameter of ``rv``'s prior and its other parameters."""
     op, _ = base_op(rv)
+    if isinstance(op, ZeroSumNormalRV):  # zero mean; (sigma, support shape)
+        return pt.constant(0.0), list(ps)
     spec = NON_GAUSSIAN_PRIORS.get(type(op))
     i = 0 if spec is None else spec[1]
     return ps[i], [p for j, p in enumerate(ps) if j != i]
@@ -282,9 +289,14 @@ def assign_roles(model) -> Roles:
 
     cand = {}
     for rv in rest:
+        op, _ = base_op(rv)
+        if isinstance(op, ZeroSumNormalRV) and isinstance(
+            model.rvs_to_transforms.get(rv), LinearZeroSumTransform
+        ):
+            cand[rv] = "zerosum"
+            continue
         if rv in rayleigh_rvs or model.rvs_to_transforms.get(rv) is not None:
             continue
-        op, _ = base_op(rv)
         if isinstance(op, MvNormalRV):
             cand[rv] = "mvnormal"
         elif isinstance(op, NormalRV):

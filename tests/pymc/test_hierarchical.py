@@ -108,6 +108,39 @@ def test_glmm_fixed_effects_and_scales_agree_with_nuts(glmm):
     np.testing.assert_allclose(got_sd, want_sd, rtol=0.3)
 
 
+def test_zerosum_group_effects_agree_with_nuts():
+    """Group effects written as ``pm.ZeroSumNormal`` (a sum-to-zero categorical factor, as
+    in Bambi) are Gaussian globals in their unconstrained space; as mean-field
+    hyperparameters they had no correlation with the intercept they trade off against."""
+    rng = np.random.default_rng(12)
+    G, n = 10, 400
+    g = np.concatenate([np.arange(G), rng.integers(0, G, n - G)])
+    x = rng.normal(size=n)
+    a_true = rng.normal(0, 0.8, G)
+    y = rng.binomial(1, expit(0.4 + 0.7 * x + a_true[g] - a_true.mean()))
+    with pm.Model(coords={"group": np.arange(G)}) as m:
+        b0 = pm.Normal("b0", 0, 3)
+        beta = pm.Normal("beta", 0, 2)
+        sigma = pm.HalfNormal("sigma", 1)
+        a = pm.ZeroSumNormal("a", sigma=sigma, dims="group")
+        pm.Bernoulli("y", logit_p=b0 + beta * x + a[g], observed=y)
+    assert [g.name for g in pymc_mcssvi.recognize.recognize(m).gaussians] == ["b0", "beta", "a"]
+    ref = nuts_draws(m, "zerosum_glmm").posterior
+    with m:
+        approx = pm.fit(method="hmcssvi", progressbar=False, random_seed=1)
+    assert approx.converged
+    post = approx.sample(4000, random_seed=2).posterior
+    np.testing.assert_allclose(post["a"].values.sum(-1), 0.0, atol=1e-12)
+    for v, mean_tol, sd_tol in (("b0", 0.1, 0.1), ("beta", 0.1, 0.1), ("a", 0.15, 0.15)):
+        r = ref[v].values.reshape(ref.sizes["chain"] * ref.sizes["draw"], -1)
+        d = post[v].values.reshape(4000, -1)
+        z = np.abs(d.mean(0) - r.mean(0)) / r.std(0)
+        ratio = d.std(0) / r.std(0)
+        assert np.all(z < mean_tol), (v, np.round(z, 3))
+        assert np.all(np.abs(ratio - 1) < sd_tol), (v, np.round(ratio, 3))
+    np.testing.assert_allclose(post["sigma"].mean(), ref["sigma"].mean(), rtol=0.2)
+
+
 def test_observation_level_effect_with_large_counts_agrees_with_nuts():
     """Overdispersed Poisson GLMM written with an observation-level effect ``e`` (a local
     integrated out per row): counts up to ~100 make each row's likelihood much narrower

@@ -81,9 +81,7 @@ def zerosum_as_linear(model):
     read the unconstrained values through the linear map, which computes the
     same numbers as PyMC's.
     """
-    swapped = {
-        rv: tr for rv, tr in model.rvs_to_transforms.items() if type(tr) is ZeroSumTransform
-    }
+    swapped = {rv: tr for rv, tr in model.rvs_to_transforms.items() if type(tr) is ZeroSumTransform}
     if swapped:
         point = model.initial_point()
         for rv, tr in swapped.items():

@@ -13,7 +13,9 @@ from pymc_mcssvi.recognize.zerosum import LinearZeroSumTransform, zerosum_as_lin
 
 
 @pytest.mark.parametrize(
-    "axes, shape", [((-1,), (6,)), ((-1,), (3, 4)), ((-2, -1), (3, 4))], ids=["1d", "batch", "2axes"]
+    "axes, shape",
+    [((-1,), (6,)), ((-1,), (3, 4)), ((-2, -1), (3, 4))],
+    ids=["1d", "batch", "2axes"],
 )
 def test_linear_backward_map_is_pymcs(axes, shape, rng):
     v = rng.normal(size=shape)

@@ -112,7 +112,13 @@ COMPILE_WORK_THRESHOLD = 1e8
 JAX_FALLBACK_COMPILE_WORK = 1e9
 
 #: Largest predictor sd under the start q; larger ones shrink the start covariance.
-START_PREDICTOR_SD = 10.0
+#: With 10, a Poisson GLMM with an unstandardized covariate (grouseticks' raw cHEIGHT,
+#: -59..71) put quadrature nodes at log rates near 50: the first natural step gave
+#: the covariate's coefficient a precision of 1.6e18, and the centered model's fit
+#: diverged (Cholesky factors of candidates not finite). At 5 it converges in 25
+#: iterations (non-centered 77, was 102); a 100-feature Poisson regression takes 16
+#: iterations instead of 42, a logistic one 13 instead of 11.
+START_PREDICTOR_SD = 5.0
 
 
 @functools.cache

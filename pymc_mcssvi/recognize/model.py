@@ -41,7 +41,7 @@ from pymc_mcssvi.recognize.likelihood import (
     form_name,
     likelihood_term,
 )
-from pymc_mcssvi.recognize.roles import assign_roles, base_op, dist_params
+from pymc_mcssvi.recognize.roles import assign_roles, base_op, dist_params, loc_and_others
 from pymc_mcssvi.recognize.zerosum import zerosum_as_linear
 
 __all__ = ["MAX_GENERAL_DIM", "recognize"]
@@ -330,7 +330,8 @@ def _prior_term(model, g: GaussianGlobal, gvalues, gshapes):
     params = model.replace_rvs_by_values(dist_params(g.rv))
     value = g.value
     if g.prior in ("normal", "zerosum"):
-        mu, sigma = (0.0, as_float(params[0])) if g.prior == "zerosum" else map(as_float, params)
+        mu, (sigma, *_) = loc_and_others(g.rv, params)
+        mu, sigma = as_float(mu), as_float(sigma)
         sigma_b = pt.broadcast_to(sigma, g.shape)
         resid = pt.broadcast_to((value - mu) / sigma, g.shape)
         const = -pt.sum(pt.log(sigma_b))

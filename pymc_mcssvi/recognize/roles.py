@@ -54,7 +54,7 @@ from pymc_mcssvi.recognize.graph import depends_on_any, is_entrywise, is_separab
 from pymc_mcssvi.recognize.ir import GaussianGlobal, Hyperparameter, LocalLatent, RayleighGlobal
 from pymc_mcssvi.recognize.zerosum import LinearZeroSumTransform
 
-__all__ = ["Roles", "assign_roles", "base_op", "dist_params"]
+__all__ = ["Roles", "assign_roles", "base_op", "dist_params", "loc_and_others"]
 
 
 def base_op(rv):
@@ -198,7 +198,7 @@ def _demote_likelihood_scales(model, cand, values, vshape, params, local_rvs, de
     size = {rv: int(np.prod(vshape[rv], dtype=int)) for rv in cand}
     in_location = set()
     for rv in cand:
-        loc, _ = _loc_and_others(rv, params[rv])
+        loc, _ = loc_and_others(rv, params[rv])
         in_location.update(c for c in cand if c is not rv and depends_on_any(loc, [values[c]]))
     for rv in local_rvs:
         in_location.update(c for c in cand if depends_on_any(params[rv][0], [values[c]]))
@@ -240,7 +240,7 @@ NON_GAUSSIAN_PRIORS = {
 }
 
 
-def _loc_and_others(rv, ps):
+def loc_and_others(rv, ps):
     """The location parameter of ``rv``'s prior and its other parameters."""
     op, _ = base_op(rv)
     if isinstance(op, ZeroSumNormalRV):  # zero mean; (sigma, support shape)
@@ -319,7 +319,7 @@ def assign_roles(model) -> Roles:
         for rv in free:
             ps = params[rv]
             if rv in cand:
-                loc, scales = _loc_and_others(rv, ps)
+                loc, scales = loc_and_others(rv, ps)
                 others = {v for v in cvals if v is not values[rv]}
                 hit = [cvals[v] for v in others if any(depends_on_any(s, [v]) for s in scales)]
                 for c in hit:

@@ -27,6 +27,8 @@ import numpy as np
 import pytensor.tensor as pt
 from pymc.distributions.transforms import ZeroSumTransform
 
+from pymc_mcssvi.recognize.graph import static_shape
+
 __all__ = ["LinearZeroSumTransform", "zerosum_as_linear"]
 
 
@@ -82,11 +84,11 @@ def zerosum_as_linear(model):
     same numbers as PyMC's.
     """
     swapped = {rv: tr for rv, tr in model.rvs_to_transforms.items() if type(tr) is ZeroSumTransform}
-    if swapped:
-        point = model.initial_point()
-        for rv, tr in swapped.items():
-            shape = np.shape(point[model.rvs_to_values[rv].name])
-            model.rvs_to_transforms[rv] = LinearZeroSumTransform(tr.zerosum_axes, shape)
+    for rv, tr in swapped.items():
+        shape = list(static_shape(rv))  # the value has one entry fewer along each zero-sum axis
+        for axis in tr.zerosum_axes:
+            shape[axis] -= 1
+        model.rvs_to_transforms[rv] = LinearZeroSumTransform(tr.zerosum_axes, shape)
     try:
         yield
     finally:

@@ -34,7 +34,7 @@ import pytensor.tensor as pt
 from scipy.interpolate import PchipInterpolator
 from scipy.special import ndtr
 
-from pymc_mcssvi.families.gaussian import GaussianBlocks, natural_step
+from pymc_mcssvi.families.gaussian import GaussianBlocks, natural_step, natural_step_gain
 
 __all__ = [
     "AXIS_POINTS",
@@ -108,14 +108,16 @@ MAX_REFIT_HALVINGS = 3
 HESSIAN_STEP = 0.25
 
 
-def refit_graph(kernel, project: bool = True):
+def refit_graph(kernel, project: bool = True, gain: bool = False):
     """One natural step of q(w) at a point ``h``: the profile's building block.
 
     Returns ``(inputs, outputs)``. ``inputs`` are the model's value variables of
     the hyperparameters (no graph replacement: cloning the bound's graph costs
     more than building it), the step size ``rho``, then q(w)'s means and
     precision Cholesky factors, one per segment. ``outputs`` are the bound at that q(w) and ``h`` (no q(h)
-    entropy: ``h`` is a point), then the means and factors after the step.
+    entropy: ``h`` is a point), then the means and factors after the step,
+    and with ``gain=True`` the gain of a full step predicted by the bound's
+    second-order model (:func:`~pymc_mcssvi.families.gaussian.natural_step_gain`).
     :class:`ConditionalProfile` iterates it to the optimum of q(w | h).
     """
     hyp = kernel.hypers
@@ -129,7 +131,12 @@ def refit_graph(kernel, project: bool = True):
         for st, g, H in zip(states, ev.grads, ev.hessians, strict=True)
     ]
     inputs = [*hyp.spec.values, rho, *means, *factors]
-    return inputs, [ev.value, *[st.mean for st in new], *[st.factor for st in new]]
+    outputs = [ev.value, *[st.mean for st in new], *[st.factor for st in new]]
+    if gain:
+        outputs.append(
+            sum(natural_step_gain(st, nw, g) for st, nw, g in zip(states, new, ev.grads, strict=True))
+        )
+    return inputs, outputs
 
 
 class Refit(NamedTuple):
@@ -162,8 +169,9 @@ class ConditionalProfile:
     Parameters
     ----------
     step : callable
-        ``(h, rho, means, factors) -> (value, means, factors)``: the compiled
-        :func:`refit_graph` with ``h`` flat.
+        ``(h, rho, means, factors) -> (value, means, factors[, gain])``: the
+        compiled :func:`refit_graph` with ``h`` flat (``gain``: the predicted
+        gain of a full step, see :meth:`refit`).
     mean : np.ndarray
         Centre of q(h), ``(n_h,)``: the point of the fitted q(w).
     means, factors : list of np.ndarray
@@ -194,7 +202,11 @@ class ConditionalProfile:
         Gaussian likelihood); a step that lowers the bound or makes it
         non-finite is retried from the previous state with half the step size
         (kept for the later steps), at most :data:`MAX_REFIT_HALVINGS` times
-        in a row. At most :data:`MAX_REFIT_STEPS` evaluations.
+        in a row. At most :data:`MAX_REFIT_STEPS` evaluations. The re-fit stops
+        when the last step gained at most :data:`REFIT_TOL` (relative), or
+        when ``step`` returns a fourth value, the gain a full next step is
+        predicted to make, and that is below it: the step is then taken and
+        its bound is the predicted one (one evaluation fewer per re-fit).
 
         Examples
         --------
@@ -210,8 +222,10 @@ class ConditionalProfile:
         """
         best, rho, halvings, retry = None, 1.0, 0, False
         for _ in range(MAX_REFIT_STEPS):
-            value, new_means, new_factors = self.step(h, rho, means, factors)
+            out = self.step(h, rho, means, factors)
+            value, new_means, new_factors = out[:3]
             value = float(value)
+            predicted = float(out[3]) if len(out) > 3 else np.inf
             if retry:  # ``best`` again: take its shorter step
                 means, factors, retry = new_means, new_factors, False
                 continue
@@ -222,8 +236,18 @@ class ConditionalProfile:
                 means, factors = best.means, best.factors
                 continue
             gain = np.inf if best is None else value - best.value
-            best = Refit(value, means, factors, 0 if best is None else best.steps + 1)
-            if gain <= REFIT_TOL * (abs(value) + 10.0):
+            steps = 0 if best is None else best.steps + 1
+            best = Refit(value, means, factors, steps)
+            tol = REFIT_TOL * (abs(value) + 10.0)
+            if gain <= tol:
+                break
+            if rho == 1.0 and 0.0 <= predicted <= tol:
+                # the next full step would gain little: take it without evaluating the
+                # stepped state, whose bound the second-order prediction gives (its
+                # error is a small fraction of an already small gain; stopping one
+                # step short instead would leave the whole gain as error, enough to
+                # bias the profile's finite-difference curvature)
+                best = Refit(value + predicted, new_means, new_factors, steps + 1)
                 break
             means, factors, halvings = new_means, new_factors, 0
         if best is None:

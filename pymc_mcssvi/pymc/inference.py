@@ -1015,12 +1015,12 @@ class StructuredVI(Inference):
         view_on.set_value(np.int8(1))
 
     def _compile_profile(self):
-        """The re-fit step ``(h, rho, means, factors) -> (value, means, factors)`` of
+        """The re-fit step ``(h, rho, means, factors) -> (value, means, factors, gain)`` of
         :func:`~pymc_mcssvi.algorithms.marginal.refit_graph`, ``h`` flat."""
         hyp = self.kernel.hypers
         with graph_building(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            inputs, outputs = refit_graph(self.kernel)
+            inputs, outputs = refit_graph(self.kernel, gain=True)
             ck = (
                 {"mode": python_few_calls_mode()}
                 if self.backend_used in (None, "python", "custom")
@@ -1034,7 +1034,7 @@ class StructuredVI(Inference):
         def step(h, rho, means, factors):
             hs = [x.reshape(shp) for x, shp in zip(np.split(h, split), shapes, strict=True)]
             out = fn(*hs, rho, *means, *factors)
-            return out[0], out[1 : 1 + nseg], out[1 + nseg :]
+            return out[0], out[1 : 1 + nseg], out[1 + nseg : 1 + 2 * nseg], out[-1]
 
         return step
 

@@ -81,6 +81,50 @@ def _lmm_model(g, x, y, G, centered):
     return m
 
 
+def _profile_step(model):
+    """A fitted H-MC-SSVI's compiled profile step, and its q(w) at the fitted ``h``."""
+    with model:
+        inf = pymc_mcssvi.HMCSSVI(random_seed=1)
+        inf.fit(progressbar=False)
+    k = inf.kernel
+    h = k.hypers.base_mean.get_value()[0]
+    means = [m.get_value() for m in k.base_mean]
+    factors = [f.get_value() for f in k.base_factor]
+    return inf._compile_profile(), h, means, factors
+
+
+@pytest.mark.parametrize("likelihood", ["gaussian", "bernoulli"])
+def test_predicted_gain_of_a_profile_step_against_the_bound_after_it(likelihood, rng):
+    """The re-fit's stopping rule takes a full natural step without evaluating it and books
+    the gain its second-order model predicts: exact under a Gaussian likelihood (the bound
+    is quadratic in q's mean and its precision's natural parameters), close under a
+    logistic one. q(w) is moved off its optimum in mean and precision first."""
+    G = 10
+    g, x, y = _lmm(rng, G=G)
+    if likelihood == "gaussian":
+        model = _lmm_model(g, x, y, G, centered=True)
+    else:
+        with pm.Model() as model:
+            b0 = pm.Normal("b0", 0, 5)
+            b1 = pm.Normal("b1", 0, 2.5)
+            sd_a = pm.HalfNormal("sd_a", 1)
+            a = pm.Normal("a", 0, sd_a, shape=G)
+            pm.Bernoulli("y", logit_p=b0 + b1 * x + a[g], observed=(y > 0.5).astype(int))
+    step, h, means, factors = _profile_step(model)
+    means = [m + 0.3 * np.sin(np.arange(m.size)).reshape(m.shape) for m in means]
+    factors = [1.4 * f for f in factors]
+    value, new_means, new_factors, predicted = step(h, 1.0, means, factors)
+    after = step(h, 1.0, new_means, new_factors)[0]
+    realized = float(after - value)
+    assert realized > 0.5  # the perturbation is large enough to test anything
+    if likelihood == "gaussian":
+        np.testing.assert_allclose(predicted, realized, rtol=1e-8)
+        # and the step landed on the optimum: nothing left to gain
+        assert abs(step(h, 1.0, new_means, new_factors)[3]) < 1e-8 * abs(after)
+    else:
+        np.testing.assert_allclose(predicted, realized, rtol=0.05)
+
+
 def _exact_mean_of_scale(g, x, y, G):
     """E[sd_a | y] from the closed-form marginal likelihood on a grid of (log sd_a, log sigma)."""
     n = len(y)

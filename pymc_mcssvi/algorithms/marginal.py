@@ -134,7 +134,10 @@ def refit_graph(kernel, project: bool = True, gain: bool = False):
     outputs = [ev.value, *[st.mean for st in new], *[st.factor for st in new]]
     if gain:
         outputs.append(
-            sum(natural_step_gain(st, nw, g) for st, nw, g in zip(states, new, ev.grads, strict=True))
+            sum(
+                natural_step_gain(st, nw, g)
+                for st, nw, g in zip(states, new, ev.grads, strict=True)
+            )
         )
     return inputs, outputs
 

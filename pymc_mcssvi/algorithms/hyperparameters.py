@@ -370,7 +370,9 @@ def joint_newton_step(
     # A failed factorization of q(w) or q(h) (NaN) must not reach LAPACK's eigh, which
     # raises; the step is then NaN and the caller falls back to the separate steps.
     finite = pt.all(pt.isfinite(S)) & pt.all(pt.isfinite(rhs))
-    lam, V = pt.linalg.eigh(pt.switch(finite, S, pt.eye(S.shape[0])))
+    # a static size: pt.eye of a symbolic one constant-folds S's whole shape graph
+    n_h = g_h.type.shape[-1] if g_h.type.shape[-1] is not None else S.shape[0]
+    lam, V = pt.linalg.eigh(pt.switch(finite, S, pt.eye(n_h)))
     scale = pt.maximum(pt.abs(lam), SCHUR_FLOOR * pt.max(pt.diagonal(P_h)))
     dh = _capped(V @ ((V.T @ rhs) / scale), max_step)
     dh = pt.switch(finite, dh, np.nan)

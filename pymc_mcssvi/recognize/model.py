@@ -109,8 +109,8 @@ def _recognize(model, cov, bound, inner, n_inner) -> TwoLevelModel:
 
     roles = assign_roles(model)
     point = {
-        model.rvs_to_values[rv]: v
-        for rv, v in zip(model.free_RVs, _initial_values(model), strict=True)
+        model.rvs_to_values[rv]: roles.initial_point[model.rvs_to_values[rv].name]
+        for rv in model.free_RVs
     }
     gaussians = roles.gaussians
     gvalues = {g.value: i for i, g in enumerate(gaussians)}
@@ -128,9 +128,10 @@ def _recognize(model, cov, bound, inner, n_inner) -> TwoLevelModel:
         term, const = _prior_term(model, g, gvalues, gshapes)
         predictor_terms.append(term)
         constant_terms.append(const)
-    for h in roles.hypers:
-        lp = model.logp(vars=[h.rv], jacobian=True, sum=True)
-        constant_terms.append(ConstantTerm(f"prior of {h.name}", remove_checks(lp)))
+    if roles.hypers:  # one model.logp call for all of them
+        lps = model.logp(vars=[h.rv for h in roles.hypers], jacobian=True, sum=False)
+        for h, lp in zip(roles.hypers, lps, strict=True):
+            constant_terms.append(ConstantTerm(f"prior of {h.name}", remove_checks(pt.sum(lp))))
 
     minibatch = False
     bilinear_sources: set[int] = set()
@@ -169,7 +170,7 @@ def _recognize(model, cov, bound, inner, n_inner) -> TwoLevelModel:
             if lc.kind == "gaussian" and inner == "quadrature":
                 _check_marginal_finite(logp, lc, obs, point)
         else:
-            logp = remove_checks(model.logp(vars=[obs], sum=False)[0])
+            logp = roles.observed_logps[obs]
         if not depends_on_any(logp, gvalues):
             constant_terms.append(ConstantTerm(obs.name, logp))
             forms[obs.name] = "constant (no Gaussian global)" + suffix
@@ -400,11 +401,6 @@ def _check_marginal_finite(logp, lc, obs, point):
             "real line of the local (quadrature nodes fall outside the likelihood's support)",
             f"map {lc.name!r} into the support with a link (e.g. pm.math.exp or pm.math.log1pexp for a rate)",
         )
-
-
-def _initial_values(model):
-    ip = model.initial_point()
-    return [ip[model.rvs_to_values[rv].name] for rv in model.free_RVs]
 
 
 def _joint_blocks(terms: list[PredictorTerm], gaussians) -> list[list[int]]:

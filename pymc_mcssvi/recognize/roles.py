@@ -121,10 +121,17 @@ class Roles:
     rayleighs: list[RayleighGlobal] = field(default_factory=list)
     locals: list[LocalLatent] = field(default_factory=list)
     hypers: list[Hyperparameter] = field(default_factory=list)
+    #: Elementwise log densities of the observed variables (checks removed), by RV:
+    #: built once here (each ``model.logp`` call rewrites the model's graph).
+    observed_logps: dict = field(default_factory=dict)
+    #: The model's initial point (by value-variable name), computed once.
+    initial_point: dict = field(default_factory=dict)
 
 
 def _observed_logps(model):
-    return {obs: remove_checks(model.logp(vars=[obs], sum=False)[0]) for obs in model.observed_RVs}
+    obs = list(model.observed_RVs)
+    lps = model.logp(vars=obs, sum=False) if obs else []  # one call: each rewrites the graph
+    return {o: remove_checks(lp) for o, lp in zip(obs, lps, strict=True)}
 
 
 def _find_locals(model, free, values, vshape, params, obs_logps, ip):
@@ -356,7 +363,7 @@ def assign_roles(model) -> Roles:
             return f"{name} prior with a transform ({tr})"
         return f"{name} prior"
 
-    roles = Roles(locals=locals_, rayleighs=rayleighs)
+    roles = Roles(locals=locals_, rayleighs=rayleighs, observed_logps=obs_logps, initial_point=ip)
     for rv in rest:
         if rv in rayleigh_rvs:
             continue

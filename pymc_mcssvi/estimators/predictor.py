@@ -287,23 +287,12 @@ def _rows_vals(vals, n, k):
     return pt.broadcast_to(v, (n, k)).astype("float64")
 
 
-def _width(*xs):
-    """The largest last dimension of ``xs`` (``None`` entries skipped): an int when all
-    are static (a symbolic one makes ``broadcast_to`` constant-fold its shape graph)."""
-    xs = [x for x in xs if x is not None]
-    static = [x.type.shape[-1] for x in xs]
-    if None not in static:
-        return max(static)
-    k = xs[0].shape[-1]
-    for x in xs[1:]:
-        k = pt.maximum(k, x.shape[-1])
-    return k
-
-
 def _concat_sparse(sparse, n):
     rows, cols, vals = [], [], []
     for r, c, v in sparse:
-        k = _width(r, c, v)
+        k = pt.maximum(r.shape[-1], c.shape[-1])
+        if v is not None:
+            k = pt.maximum(k, v.shape[-1])
         rows.append(pt.broadcast_to(r, (n, k)))
         cols.append(pt.broadcast_to(c, (n, k)))
         vals.append(_rows_vals(v, n, k))

@@ -179,3 +179,21 @@ def test_jax_fit_leaves_numpy_state_for_the_rest_of_the_fit():
     np.testing.assert_allclose(got.hist, ref.hist, rtol=1e-9)
     draws = got.sample(50, random_seed=1)
     assert np.all(np.isfinite(draws.posterior["f"].values))
+
+
+def test_named_backends_skip_the_matrix_structure_rewrites():
+    """A backend given by name compiles without PyTensor's matrix-structure rewrites
+    (dense matrices by construction: the rewrites cost seconds and change nothing, the
+    same-result check is ``test_jax_step_matches_the_python_step``); a mode the user
+    passes is used as given."""
+    from pytensor.compile.mode import get_mode
+
+    from pymc_mcssvi.pymc.python_vm import structure_rewrites
+
+    names = set(structure_rewrites())
+    assert names  # the set the exclusion is about is not empty
+    for backend in ("jax", "numba"):
+        mode = inference._named_backend_kwargs(backend, {})["mode"]
+        assert names <= set(mode.provided_optimizer.exclude), backend
+    user = get_mode("JAX")
+    assert inference._named_backend_kwargs(None, {"mode": user})["mode"] is user

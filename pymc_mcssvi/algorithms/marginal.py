@@ -165,8 +165,8 @@ class ConditionalProfile:
     at 24 where the profile's is 64. Here the profile is evaluated directly:
     at each point q(w | h) starts from the linear response (or from a
     neighbouring point's re-fit) and takes natural steps with ``rho = 1``
-    until the bound stops changing (:data:`REFIT_TOL`; 1-4 evaluations of the
-    bound, 2-3 on average on the benchmark GLMMs, see :meth:`refit`); a single
+    until the bound stops changing (:data:`REFIT_TOL`; 1.8-3.7 evaluations of
+    the bound on average on the benchmark GLMMs, see :meth:`refit`); a single
     step, enough for a Gaussian likelihood, left the grouseticks profile 6-40%
     low at 1-2 sds and 10-100x low at 3-4 sds.
 

@@ -221,7 +221,7 @@ def python_few_calls_mode() -> Mode:
     Only merging and :data:`UFUNC_REWRITES`: PyTensor's canonicalization of a
     graph the size of a step (800-1,300 nodes) costs 0.2-0.5 s and saves a few
     milliseconds per call, which pays for itself only over a fit's iterations,
-    not over the 33 calls of the skewed q(h)'s profile
+    not over the 40-90 calls of the skewed q(h)'s profile
     (:mod:`pymc_mcssvi.algorithms.marginal`). Same Python VM as
     :func:`python_step_mode`.
 

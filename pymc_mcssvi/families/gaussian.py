@@ -344,10 +344,8 @@ def natural_step_gain(old: GaussianBlocks, new: GaussianBlocks, g):
     """
     mean_part = 0.5 * pt.sum(g * (new.mean - old.mean))
     M = bmm(_lower_inverse(old.factor), new.factor)  # L^{-1} L_new: tr(A) = |M|_F^2
-    log_det = 2.0 * pt.sum(
-        pt.log(pt.abs(pt.diagonal(new.factor, axis1=-2, axis2=-1)))
-        - pt.log(pt.abs(pt.diagonal(old.factor, axis1=-2, axis2=-1)))
-    )
+    # log det A = log det P_new - log det P = log det S - log det S_new
+    log_det = log_det_covariance(old, "precision") - log_det_covariance(new, "precision")
     dim = old.mean.shape[0] * old.mean.shape[1]
     return mean_part + 0.5 * (pt.sum(M**2) - log_det - dim)
 

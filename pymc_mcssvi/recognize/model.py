@@ -108,10 +108,7 @@ def _recognize(model, cov, bound, inner, n_inner) -> TwoLevelModel:
         _check_observed_data(model, obs)
 
     roles = assign_roles(model)
-    point = {
-        model.rvs_to_values[rv]: roles.initial_point[model.rvs_to_values[rv].name]
-        for rv in model.free_RVs
-    }
+    point = {v: roles.initial_point[v.name] for v in model.value_vars}
     gaussians = roles.gaussians
     gvalues = {g.value: i for i, g in enumerate(gaussians)}
     gshapes = {g.value: g.shape for g in gaussians}

@@ -33,6 +33,7 @@ from pytensor.compile.rewriting import inline_ofg_node
 from pytensor.graph.replace import graph_replace, vectorize_graph
 from pytensor.graph.traversal import io_toposort
 from pytensor.tensor.blockwise import Blockwise
+from pytensor.tensor.elemwise import Elemwise
 from threadpoolctl import threadpool_limits
 
 from pymc_mcssvi.algorithms.hyperparameters import shapes_at_fixed
@@ -45,6 +46,8 @@ __all__ = [
     "EXACT_CONDITIONAL_WORK",
     "EXPECTED_STEPS",
     "MAX_CONDITIONAL_STEPS",
+    "SPECIAL_FUNCTIONS",
+    "SPECIAL_FUNCTION_FLOPS",
     "ConditionalGlobals",
 ]
 
@@ -54,6 +57,23 @@ EXACT_CONDITIONAL_WORK = 2e9
 #: Largest ``draws x EXPECTED_STEPS x bytes per draw and step`` (measured on the
 #: compiled step) for which draws are re-fitted: 10 GB-steps, about 5 s on 2 cores.
 EXACT_CONDITIONAL_BYTES = 1e10
+#: Scalar ops whose SciPy evaluation costs far more than the fit's flop estimate
+#: assumes (its 10 flops per quadrature node): the log-gamma family and its
+#: derivatives (Beta, Gamma, negative binomial, Student-t likelihoods with learned
+#: shapes; the curvature of digamma is ``polygamma(2, x)``, a Hurwitz zeta),
+#: incomplete gamma and beta functions. A Beta regression's 1000 re-fitted draws
+#: took 18 s, 12 of them in ``zeta``.
+SPECIAL_FUNCTIONS = frozenset(
+    {
+        "GammaLn", "Psi", "TriGamma", "PolyGamma", "GammaInc", "GammaIncC",
+        "GammaIncInv", "GammaIncCInv", "BetaInc", "BetaIncInv", "Hyp2F1",
+        "Ive", "Kve", "Jv", "I0", "I1", "J0", "J1",
+        "Erfinv", "Erfcinv",
+    }
+)  # fmt: skip
+#: Flops a special function's element counts as in the re-fits' budget (measured:
+#: ``scipy.special.polygamma(2, x)`` 0.2-0.4 us per element, about 200 flops).
+SPECIAL_FUNCTION_FLOPS = 200.0
 #: Natural steps a draw's re-fit is expected to take (budgeting only).
 EXPECTED_STEPS = 3
 #: Most natural steps of the re-fits of one batch of draws.
@@ -85,16 +105,22 @@ class ConditionalGlobals:
         self.work_per_draw = float(max(work_per_draw, 1.0))
         self._fn = None
         self._bytes_per_draw = None
+        self._specials_per_draw = 0.0
 
     def affordable(self, draws: int, hs=None) -> bool:
         """Whether ``draws`` re-fits fit in :data:`EXACT_CONDITIONAL_WORK` (the fit's flop
         estimate) and, given the first draws ``hs`` of the hyperparameters, in
-        :data:`EXACT_CONDITIONAL_BYTES` (the compiled step's memory, measured)."""
+        :data:`EXACT_CONDITIONAL_BYTES` (the compiled step's memory, measured) and
+        :data:`EXACT_CONDITIONAL_WORK` again with the step's special functions
+        counted at :data:`SPECIAL_FUNCTION_FLOPS` each (measured)."""
         if draws * EXPECTED_STEPS * self.work_per_draw > EXACT_CONDITIONAL_WORK:
             return False
         if hs is None:
             return True
-        return draws * EXPECTED_STEPS * self.bytes_per_draw(hs) <= EXACT_CONDITIONAL_BYTES
+        if draws * EXPECTED_STEPS * self.bytes_per_draw(hs) > EXACT_CONDITIONAL_BYTES:
+            return False
+        work = self.work_per_draw + SPECIAL_FUNCTION_FLOPS * self._specials_per_draw
+        return draws * EXPECTED_STEPS * work <= EXACT_CONDITIONAL_WORK
 
     def bytes_per_draw(self, hs) -> float:
         """Bytes of the intermediates of one natural step, per draw.
@@ -106,11 +132,13 @@ class ConditionalGlobals:
         one call held 5.3 GB).
         """
         if self._bytes_per_draw is None:
-            held = []
+            held, special = [], []
             for n in (1, 2):
                 self.refit([h[:n] for h in hs], max_steps=1)
                 held.append(_held_bytes(self._fn.fn))
+                special.append(_special_elements(self._fn.fn))
             self._bytes_per_draw = float(max(held[1] - held[0], 1))
+            self._specials_per_draw = float(max(special[1] - special[0], 0))
         return self._bytes_per_draw
 
     def _compile(self):
@@ -258,6 +286,17 @@ def _inline(node):
     ]
     core_outputs = inline_ofg_node(op.make_node(*core_inputs))
     return vectorize_graph(core_outputs, dict(zip(core_inputs, node.inputs, strict=True)))
+
+
+def _special_elements(fn) -> int:
+    """Elements computed by special functions (:data:`SPECIAL_FUNCTIONS`) in a compiled
+    function's last call, read from its VM's storage."""
+    total = 0
+    for node in fn.maker.fgraph.apply_nodes:
+        op = node.op
+        if isinstance(op, Elemwise) and type(op.scalar_op).__name__ in SPECIAL_FUNCTIONS:
+            total += sum(getattr(fn.vm.storage_map[o][0], "size", 0) for o in node.outputs)
+    return total
 
 
 def _held_bytes(fn) -> int:

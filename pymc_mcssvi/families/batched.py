@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytensor.tensor as pt
+from pytensor.compile.mode import optdb
 from pytensor.graph.basic import Apply
 from pytensor.graph.op import Op
+from pytensor.graph.rewriting.basic import in2out, node_rewriter
 
 __all__ = [
     "UNROLL_MAX_K",
@@ -26,6 +28,7 @@ __all__ = [
     "lower_inverse_unrolled",
     "solve_lower_unrolled",
     "solve_lower_t_unrolled",
+    "stacked_linalg_as_blockwise",
 ]
 
 #: Largest block size handled by unrolled loops (larger blocks use NumPy's stacked LAPACK).
@@ -140,6 +143,34 @@ class _StackedLinalg(Op):
 
 stacked_cholesky = _StackedLinalg("cholesky")
 stacked_inverse = _StackedLinalg("inverse")
+
+
+@node_rewriter([_StackedLinalg])
+def stacked_linalg_as_blockwise(fgraph, node):
+    """:class:`_StackedLinalg` -> PyTensor's batched ``cholesky`` / ``inv``.
+
+    The stacked op serves the uncompiled step (PyTensor's Python VM). The compiled
+    backends implement the batched ops natively; without this rewrite numba ran the
+    op's Python ``perform`` in object mode and warned about it, also when a user
+    evaluated ``approx.std`` or ``approx.sample_node(...)`` (PyTensor's default mode
+    is numba). Registered with PyTensor's ``fast_run`` rewrites, which the
+    ``"python"`` backend's modes do not use. A block that is not positive definite
+    still gives NaN (``on_error="nan"``).
+    """
+    if not isinstance(node.op, _StackedLinalg):
+        return None
+    (x,) = node.inputs
+    if node.op.kind == "cholesky":
+        return [pt.linalg.cholesky(x, lower=True, check_finite=False, on_error="nan")]
+    return [pt.linalg.inv(x)]
+
+
+optdb.register(
+    "stacked_linalg_as_blockwise",
+    in2out(stacked_linalg_as_blockwise),
+    "fast_run",
+    position=0.95,  # before canonicalize, so that the batched ops are rewritten further
+)
 
 
 def register_jax_dispatch() -> None:

@@ -40,6 +40,7 @@ from pytensor.graph.rewriting.basic import node_rewriter
 from pytensor.graph.traversal import graph_inputs, io_toposort
 from pytensor.tensor.basic import Split
 from pytensor.tensor.blockwise import Blockwise
+from pytensor.tensor.random.op import RandomVariable
 from pytensor.tensor.shape import Shape, Shape_i
 
 from pymc_mcssvi.algorithms.arrow import arrow_solve
@@ -205,6 +206,18 @@ def shapes_at_fixed(h, outputs):
     fixed = graph_replace([node.inputs[0] for node in nodes], twins, strict=False)
     replace = {node.outputs[0]: node.op(x) for node, x in zip(nodes, fixed, strict=True)}
     return graph_replace(outputs, replace, strict=False)
+
+
+def _draws_sized_by(h, outputs) -> bool:
+    """Whether a random draw in ``outputs`` takes its size from a tensor depending on
+    ``h`` (fresh Monte Carlo draws shaped like the predictor of a non-centered
+    effect). ``vectorize_graph`` over sigma points of ``h`` would batch that size,
+    which a ``RandomVariable`` cannot take; the shapes are read at a fixed ``h``
+    (:func:`shapes_at_fixed`) and every sigma point uses the same draws."""
+    return any(
+        isinstance(node.op, RandomVariable) and depends_on_any(node.op.size_param(node), [h])
+        for node in io_toposort(list(graph_inputs(outputs)), outputs)
+    )
 
 
 def _shared(value, name):
@@ -479,7 +492,7 @@ class MeanFieldHyperparameters:
         st = GaussianBlocks(self.cand_mean, self.cand_factor)
         draws = self._draws(st)
         singles = [*outs, grad]
-        if self.spec.fixed_shapes:
+        if self.spec.fixed_shapes or _draws_sized_by(h, singles):
             singles = shapes_at_fixed(h, singles)
         batched = vectorize_graph(singles, {h: draws})
         w = pt.constant(self.w)

@@ -24,7 +24,7 @@ from pytensor.compile.mode import Mode, get_mode
 from pytensor.graph.rewriting.basic import in2out, node_rewriter
 from pytensor.graph.rewriting.db import RewriteDatabaseQuery
 from pytensor.link.vm import VMLinker
-from pytensor.scalar.basic import Clip, Second
+from pytensor.scalar.basic import Add, Cast, Clip, Identity, Mul, Second
 from pytensor.scalar.math import Log1mexp, TriGamma
 from pytensor.tensor.elemwise import Elemwise
 
@@ -36,7 +36,9 @@ __all__ = [
     "clip_as_ufuncs",
     "fill_as_alloc",
     "graph_building",
+    "identity_as_input",
     "log1mexp_as_ufuncs",
+    "per_element_ops",
     "python_few_calls_mode",
     "python_step_mode",
     "structure_rewrites",
@@ -182,8 +184,40 @@ def clip_as_ufuncs(fgraph, node):
     return _as_output(pt.minimum(pt.maximum(x, lo), hi), node)
 
 
+@node_rewriter([Elemwise])
+def identity_as_input(fgraph, node):
+    """``identity(x) -> x``: PyTensor's canonicalization removes it, the cheaper modes
+    (:func:`python_few_calls_mode`) keep it, and it has no NumPy implementation."""
+    if not _scalar_op_is(node, Identity):
+        return None
+    return _as_output(node.inputs[0], node)
+
+
+def per_element_ops(fgraph) -> list[str]:
+    """Element-wise nodes of ``fgraph`` the Python VM evaluates one element at a time.
+
+    Those whose scalar op has no NumPy ufunc (``nfunc_spec``), except casts and
+    variadic sums and products, which PyTensor evaluates with NumPy itself.
+
+    Examples
+    --------
+    >>> import pytensor, pytensor.tensor as pt
+    >>> x = pt.vector("x")
+    >>> per_element_ops(pytensor.function([x], pt.exp(x), mode="FAST_COMPILE").maker.fgraph)
+    []
+    """
+    bad = []
+    for node in fgraph.apply_nodes:
+        if not isinstance(node.op, Elemwise) or node.op.nfunc_spec is not None:
+            continue
+        if not isinstance(node.op.scalar_op, Cast | Add | Mul):
+            bad.append(str(node))
+    return bad
+
+
 #: Rewrites of element-wise ops without a NumPy implementation.
 UFUNC_REWRITES = (
+    identity_as_input,
     trigamma_as_polygamma,
     fill_as_alloc,
     softplus_to_ufuncs,

@@ -101,3 +101,38 @@ def test_python_steps_have_no_per_element_ops(make):
     (fn, backend) = next(iter(inf._step_fns.values()))
     assert backend == "python"
     assert _per_element_ops(fn.maker.fgraph) == []
+
+
+def test_python_step_upgrades_mid_fit_without_changing_it(monkeypatch):
+    """The step compiled with merging only and the fully rewritten one compute the same
+    iterations, and the upgrade continues the random draws instead of reseeding them."""
+    from pymc_mcssvi.pymc import inference
+
+    def fit(upgrade_at, seed=0):
+        monkeypatch.setattr(inference, "UPGRADE_AT", upgrade_at)
+        with _logit_glmm():
+            inf = pymc_mcssvi.HMCSSVI(random_seed=seed, estimator="mc", fixed_draws=False)
+            approx = inf.fit(max_iter=9, progressbar=False, backend="python")
+        (step, _) = next(iter(inf._step_fns.values()))
+        assert step.upgraded and step.calls == 9
+        return np.asarray(approx.hist)
+
+    full = fit(0)
+    # the draws matter: a reseeded upgrade would repeat the first ones and differ
+    assert np.abs(fit(0, seed=1) - full).max() > 1e-3
+    np.testing.assert_allclose(fit(4), full, rtol=1e-10)
+
+
+def test_python_step_upgrades_when_a_fit_asks_for_more_iterations(monkeypatch):
+    from pymc_mcssvi.pymc import inference
+
+    monkeypatch.setattr(inference, "UPGRADE_AT", 4)
+    with _logit_glmm():
+        inf = pymc_mcssvi.HMCSSVI(random_seed=0)
+        inf.fit(n=2, progressbar=False, backend="python")
+        (step, _) = next(iter(inf._step_fns.values()))
+        assert not step.upgraded
+        cheap_nodes = len(step.maker.fgraph.apply_nodes)
+        inf.fit(n=3, progressbar=False, backend="python")
+    assert step.upgraded and step.calls == 5
+    assert len(step.maker.fgraph.apply_nodes) < cheap_nodes

@@ -188,9 +188,9 @@ class _UpgradingStep:
     ski-rental rule). The switch depends on the iteration count only, so fits
     stay reproducible. ``fit(n=...)`` upgrades at once when ``n`` reaches past
     :data:`UPGRADE_AT`, and so does a cheap function that would evaluate an
-    element-wise op one element at a time (:func:`per_element_ops`). Both functions update the same shared state; the
-    second is compiled without reseeding the random generators, so the draws
-    continue.
+    element-wise op one element at a time (:func:`per_element_ops`). Both
+    functions update the same shared state; the second is compiled without
+    reseeding the random generators, so the draws continue.
 
     ``maker`` is the current function's, as for a compiled PyTensor function.
     """
@@ -203,6 +203,10 @@ class _UpgradingStep:
 
     @property
     def fn(self):
+        return self.compile()
+
+    def compile(self):
+        """The current function, compiled (merging only) on first use."""
         if self._fn is None:
             self._fn = self._compile(full=False)
             if per_element_ops(self._fn.maker.fgraph):
@@ -936,8 +940,10 @@ class StructuredVI(Inference):
         if getattr(self, "_view", None) is not None:
             self._view[0].set_value(np.int8(0))
         step = self._step_function(backend, compile_kwargs)
-        if isinstance(step, _UpgradingStep) and n is not None and step.calls + n > UPGRADE_AT:
-            step.upgrade()
+        if isinstance(step, _UpgradingStep):
+            if n is not None and step.calls + n > UPGRADE_AT:
+                step.upgrade()
+            step.compile()  # before the loop, as for the other backends
         total = int(n) if n is not None else int(max_iter)
         auto_stop = n is None
         if tol is None:

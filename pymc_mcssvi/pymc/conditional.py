@@ -104,8 +104,7 @@ class ConditionalGlobals:
         self.group = group
         self.work_per_draw = float(max(work_per_draw, 1.0))
         self._fn = None
-        self._bytes_per_draw = None
-        self._specials_per_draw = 0.0
+        self._per_draw = None
 
     def affordable(self, draws: int, hs=None) -> bool:
         """Whether ``draws`` re-fits fit in :data:`EXACT_CONDITIONAL_WORK` (the fit's flop
@@ -117,9 +116,10 @@ class ConditionalGlobals:
             return False
         if hs is None:
             return True
-        if draws * EXPECTED_STEPS * self.bytes_per_draw(hs) > EXACT_CONDITIONAL_BYTES:
+        nbytes, specials = self._measure(hs)
+        if draws * EXPECTED_STEPS * nbytes > EXACT_CONDITIONAL_BYTES:
             return False
-        work = self.work_per_draw + SPECIAL_FUNCTION_FLOPS * self._specials_per_draw
+        work = self.work_per_draw + SPECIAL_FUNCTION_FLOPS * specials
         return draws * EXPECTED_STEPS * work <= EXACT_CONDITIONAL_WORK
 
     def bytes_per_draw(self, hs) -> float:
@@ -131,15 +131,22 @@ class ConditionalGlobals:
         (OrderedProbit, 500 rows: 64,000 flops but 49 MB per draw; 100 draws in
         one call held 5.3 GB).
         """
-        if self._bytes_per_draw is None:
+        return self._measure(hs)[0]
+
+    def _measure(self, hs) -> tuple[float, float]:
+        """Bytes (:meth:`bytes_per_draw`) and special-function elements
+        (:data:`SPECIAL_FUNCTIONS`) of one natural step, per draw, measured once."""
+        if self._per_draw is None:
             held, special = [], []
             for n in (1, 2):
                 self.refit([h[:n] for h in hs], max_steps=1)
                 held.append(_held_bytes(self._fn.fn))
                 special.append(_special_elements(self._fn.fn))
-            self._bytes_per_draw = float(max(held[1] - held[0], 1))
-            self._specials_per_draw = float(max(special[1] - special[0], 0))
-        return self._bytes_per_draw
+            self._per_draw = (
+                float(max(held[1] - held[0], 1)),
+                float(max(special[1] - special[0], 0)),
+            )
+        return self._per_draw
 
     def _compile(self):
         k = self.kernel
@@ -228,7 +235,7 @@ class ConditionalGlobals:
         with threadpool_limits(limits=1, user_api="blas"), np.errstate(all="ignore"):
             if not self.affordable(n, first):
                 return {}
-            size = int(max(1, min(n, BATCH_BYTES // self._bytes_per_draw)))
+            size = int(max(1, min(n, BATCH_BYTES // self._measure(first)[0])))
             rng = np.random.default_rng(random_seed)
             self._draw(samples, names, n, size, rng, flat, keep)
         out = {}

@@ -83,4 +83,4 @@ def test_special_functions_count_in_the_refit_budget(rng):
         names = [v.name for v in sampler.kernel.hypers.spec.values]
         hs = [np.asarray(approx.sample_dict_fn(2, random_seed=0)[n]) for n in names]
         assert sampler.affordable(1000) and sampler.affordable(1000, hs) != expensive
-        assert (sampler._specials_per_draw > 0) == expensive
+        assert (sampler._measure(hs)[1] > 0) == expensive

@@ -119,3 +119,40 @@ def test_python_step_upgrades_when_a_fit_asks_for_more_iterations(monkeypatch):
         inf.fit(n=3, progressbar=False, backend="python")
     assert step.upgraded and step.calls == 5
     assert len(step.maker.fgraph.apply_nodes) < cheap_nodes
+
+
+@pytest.mark.skipif(not pytensor.config.cxx, reason="PyTensor's C loop needs a C compiler")
+def test_python_backend_runs_its_nodes_in_the_c_loop(monkeypatch):
+    """The step and the skewed q(h)'s profile re-fit are run by PyTensor's C loop, and a
+    whole fit (profile included) is the same as with the Python loop."""
+    from pytensor.link.vm import VMLinker
+
+    from pymc_mcssvi.pymc import python_vm
+
+    def fit():
+        with _gaussian_lmm():
+            inf = pymc_mcssvi.HMCSSVI(random_seed=0)
+            approx = inf.fit(max_iter=30, progressbar=False, backend="python")
+        (step, _) = next(iter(inf._step_fns.values()))
+        return inf, step, approx
+
+    inf, step, approx = fit()
+    assert type(step.fn.vm).__name__ == "CVM"
+    assert inf._profile_fn is not None, "the fit should have computed the skewed q(h)"
+    profile_vms = {
+        type(c.cell_contents.vm).__name__
+        for c in inf._profile_fn.__closure__
+        if hasattr(c.cell_contents, "vm")
+    }
+    assert profile_vms == {"CVM"}
+    monkeypatch.setattr(
+        python_vm,
+        "python_linker",
+        lambda: VMLinker(use_cloop=False, c_thunks=False, allow_gc=False),
+    )
+    inf_py, step_py, approx_py = fit()
+    assert type(step_py.fn.vm).__name__ != "CVM"
+    np.testing.assert_array_equal(approx_py.hist, approx.hist)
+    draws = [a.sample(200, random_seed=3).posterior for a in (approx, approx_py)]
+    for name in ("b", "s", "a", "sy"):
+        np.testing.assert_allclose(draws[0][name].values, draws[1][name].values, rtol=1e-12)

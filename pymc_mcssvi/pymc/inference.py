@@ -171,26 +171,31 @@ def _named_backend_kwargs(backend, compile_kwargs):
 #: Iterations a ``"python"`` step runs compiled with merging only
 #: (:func:`python_few_calls_mode`) before it is recompiled with the step's
 #: rewrites (:func:`python_step_mode`). See :class:`_UpgradingStep`.
-UPGRADE_AT = 50
+UPGRADE_AT = 120
 
 
 class _UpgradingStep:
     """A ``"python"`` step compiled cheaply first, fully once the fit runs long.
 
-    PyTensor's canonicalization of a step graph (800-1,300 nodes) costs 1.1-1.5 s
-    and makes each iteration about 1.5x cheaper (Contraception GLMM: 27 instead
-    of 41 ms, grouseticks 35 instead of 55 ms), so it pays for itself after
-    55-70 iterations. Most full-batch fits of small and medium models end
-    sooner (the six GLMMs of ``benchmarks/glmm.py``: 16-37 iterations, one
-    106). This step runs its first :data:`UPGRADE_AT` iterations compiled with
-    merging only (0.4-0.6 s) and then recompiles with the full rewrites: at
-    most about twice the better choice's cost whatever the fit's length (the
-    ski-rental rule). The switch depends on the iteration count only, so fits
-    stay reproducible. ``fit(n=...)`` upgrades at once when ``n`` reaches past
-    :data:`UPGRADE_AT`, and so does a cheap function that would evaluate an
-    element-wise op one element at a time (:func:`per_element_ops`). Both
-    functions update the same shared state; the second is compiled without
-    reseeding the random generators, so the draws continue.
+    PyTensor's canonicalization of a step graph (800-1,300 nodes) costs 1.2-2.5 s
+    more than merging alone and makes each iteration 1.3-1.4x cheaper (the six
+    GLMMs of ``benchmarks/glmm.py``, nodes run by
+    :func:`~pymc_mcssvi.pymc.python_vm.python_linker`: 9-21 ms saved per
+    iteration, e.g. Contraception 41 -> 29 ms), so it pays for itself
+    after 117-143 iterations (measured twice in-process on the six; 55-70 when
+    the nodes ran from PyTensor's Python loop, whose per-node cost the extra
+    nodes added to). Most full-batch fits of small and medium models end
+    sooner (those six: 16-37 iterations, one 106). This step runs its first
+    :data:`UPGRADE_AT` iterations compiled with merging only (0.4-0.9 s) and
+    then recompiles with the full rewrites: at most about twice the better
+    choice's cost whatever the fit's length (the ski-rental rule, with the
+    switch near the break-even). The switch depends on the iteration count
+    only, so fits stay reproducible. ``fit(n=...)`` upgrades at once when
+    ``n`` reaches past :data:`UPGRADE_AT`, and so does a cheap function that
+    would evaluate an element-wise op one element at a time
+    (:func:`per_element_ops`). Both functions update the same shared state;
+    the second is compiled without reseeding the random generators, so the
+    draws continue.
 
     ``maker`` is the current function's, as for a compiled PyTensor function.
     """

@@ -106,6 +106,11 @@ class ConditionalGlobals:
         self._fn = None
         self._per_draw = None
 
+    def __getstate__(self):
+        """Pickled without the compiled re-fit (its mode holds PyTensor rewriters that
+        do not pickle); it is compiled again on first use."""
+        return {**self.__dict__, "_fn": None}
+
     def affordable(self, draws: int, hs=None) -> bool:
         """Whether ``draws`` re-fits fit in :data:`EXACT_CONDITIONAL_WORK` (the fit's flop
         estimate) and, given the first draws ``hs`` of the hyperparameters, in

@@ -1021,7 +1021,10 @@ class StructuredVI(Inference):
                 self._conditional_globals = ConditionalGlobals(
                     k, self.model, self.approx.groups[0], work
                 )
-            factories.append(lambda: self._conditional_globals)
+            conditional_globals = self._conditional_globals
+            # the factory holds what it returns, not the inference object (whose compiled
+            # step does not pickle): a fitted approximation pickles as PyMC's do
+            factories.append(lambda: conditional_globals)
         if self.tlm.locals:
             factories += [
                 functools.partial(

@@ -38,7 +38,7 @@ from pytensor.graph.basic import Constant
 from pytensor.graph.replace import graph_replace, vectorize_graph
 from pytensor.graph.rewriting.basic import node_rewriter
 from pytensor.graph.traversal import graph_inputs, io_toposort
-from pytensor.tensor.basic import Split
+from pytensor.tensor.basic import Alloc, Split
 from pytensor.tensor.blockwise import Blockwise
 from pytensor.tensor.random.op import RandomVariable
 from pytensor.tensor.shape import Shape, Shape_i
@@ -166,15 +166,32 @@ def unbatch_constant_split(fgraph, node):
     if not isinstance(core, Split) or core.len_splits < 2 or len(node.inputs) != 2:
         return None
     x, sizes = node.inputs
-    if not isinstance(sizes, Constant):
+    data = _constant_value(sizes)
+    if data is None:
         return None
-    data = np.asarray(sizes.data)
     rows = data.reshape(-1, data.shape[-1])
     if not (rows == rows[0]).all():
         return None
     batch = x.ndim - len(node.op.inputs_sig[0])
     outs = pt.split(x, rows[0], n_splits=core.len_splits, axis=core.axis + batch)
     return list(outs)
+
+
+def _constant_value(var):
+    """The value of ``var`` if it is a constant, or an ``Alloc`` of one to a constant
+    shape (split sizes of joins of static widths arrive so: rewrites at this stage do
+    not fold ``Alloc``); else ``None``."""
+    if isinstance(var, Constant):
+        return np.asarray(var.data)
+    node = var.owner
+    if (
+        node is not None
+        and isinstance(node.op, Alloc)
+        and all(isinstance(i, Constant) for i in node.inputs)
+    ):
+        value, *shape = (np.asarray(i.data) for i in node.inputs)
+        return np.broadcast_to(value, tuple(int(s) for s in shape))
+    return None
 
 
 def shapes_at_fixed(h, outputs):

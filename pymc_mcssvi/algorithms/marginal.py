@@ -43,6 +43,7 @@ __all__ = [
     "AxisMarginal",
     "NODES",
     "averaged_view_factors",
+    "sensitivity_log_scales",
     "axis_marginal",
     "ConditionalProfile",
     "Refit",
@@ -106,9 +107,11 @@ MAX_REFIT_STEPS = 12
 MAX_REFIT_HALVINGS = 3
 #: Finite-difference step of the profile's Hessian, in sds of the linear-response q(h).
 HESSIAN_STEP = 0.25
+#: Times an axis's scale is re-set from the profile's second difference at +-1 sd.
+MAX_AXIS_RESCALES = 3
 
 
-def refit_graph(kernel, project: bool = True, gain: bool = False):
+def refit_graph(kernel, project: bool = True, gain: bool = False, sensitivity: bool = False):
     """One natural step of q(w) at a point ``h``: the profile's building block.
 
     Returns ``(inputs, outputs)``. ``inputs`` are the model's value variables of
@@ -117,7 +120,12 @@ def refit_graph(kernel, project: bool = True, gain: bool = False):
     precision Cholesky factors, one per segment. ``outputs`` are the bound at that q(w) and ``h`` (no q(h)
     entropy: ``h`` is a point), then the means and factors after the step,
     and with ``gain=True`` the gain of a full step predicted by the bound's
-    second-order model (:func:`~pymc_mcssvi.families.gaussian.natural_step_gain`).
+    second-order model (:func:`~pymc_mcssvi.families.gaussian.natural_step_gain`),
+    and with ``sensitivity=True`` the squared column norms of the likelihoods'
+    predictor Jacobian per segment, ``(R, K)``
+    (:meth:`~pymc_mcssvi.bounds.structured.StructuredBound.sensitivities`:
+    :func:`averaged_view_factors` reads from them how each coordinate's effect
+    on the data scales with ``h``).
     :class:`ConditionalProfile` iterates it to the optimum of q(w | h).
     """
     hyp = kernel.hypers
@@ -126,31 +134,38 @@ def refit_graph(kernel, project: bool = True, gain: bool = False):
     factors = [f.type(f"refit_factor_{s}") for s, f in enumerate(kernel.base_factor)]
     states = [GaussianBlocks(m, f) for m, f in zip(means, factors, strict=True)]
     ev = kernel.bound.evaluate(states)
+    # as in the fit's step: non-finite derivatives (far out along q(h)'s axes) must not
+    # reach the projection's eigendecomposition, which raises; the step's bound is then
+    # not finite and the re-fit backs off
+    grads = [pt.switch(pt.isfinite(g), g, 0.0) for g in ev.grads]
+    hessians = [pt.switch(pt.isfinite(H), H, 0.0) for H in ev.hessians]
     new = [
         natural_step(st, g, H, rho, project=project)
-        for st, g, H in zip(states, ev.grads, ev.hessians, strict=True)
+        for st, g, H in zip(states, grads, hessians, strict=True)
     ]
     inputs = [*hyp.spec.values, rho, *means, *factors]
     outputs = [ev.value, *[st.mean for st in new], *[st.factor for st in new]]
     if gain:
         outputs.append(
-            sum(
-                natural_step_gain(st, nw, g)
-                for st, nw, g in zip(states, new, ev.grads, strict=True)
-            )
+            sum(natural_step_gain(st, nw, g) for st, nw, g in zip(states, new, grads, strict=True))
         )
+    if sensitivity:
+        outputs.extend(kernel.bound.sensitivities(len(states)))
     return inputs, outputs
 
 
 class Refit(NamedTuple):
     """q(w | h) re-fitted at a point ``h``: the profile ``value`` there, the
-    segments' ``means`` and precision Cholesky ``factors``, and the natural
-    ``steps`` taken."""
+    segments' ``means`` and precision Cholesky ``factors``, the natural
+    ``steps`` taken and, when the step returns them, the squared column norms
+    of the likelihoods' predictor Jacobian per segment (``sensitivity``,
+    ``(R, K)`` each, see :func:`refit_graph`)."""
 
     value: float
     means: list
     factors: list
     steps: int
+    sensitivity: list | None = None
 
 
 class ConditionalProfile:
@@ -230,6 +245,7 @@ class ConditionalProfile:
             value, new_means, new_factors = out[:3]
             value = float(value)
             predicted = float(out[3]) if len(out) > 3 else np.inf
+            sensitivity = out[4] if len(out) > 4 else None
             if retry:  # ``best`` again: take its shorter step
                 means, factors, retry = new_means, new_factors, False
                 continue
@@ -241,7 +257,7 @@ class ConditionalProfile:
                 continue
             gain = np.inf if best is None else value - best.value
             steps = 0 if best is None else best.steps + 1
-            best = Refit(value, means, factors, steps)
+            best = Refit(value, means, factors, steps, sensitivity)
             tol = REFIT_TOL * (abs(value) + 10.0)
             if gain <= tol:
                 break
@@ -251,7 +267,7 @@ class ConditionalProfile:
                 # error is a small fraction of an already small gain; stopping one
                 # step short instead would leave the whole gain as error, enough to
                 # bias the profile's finite-difference curvature)
-                best = Refit(value + predicted, new_means, new_factors, steps + 1)
+                best = Refit(value + predicted, new_means, new_factors, steps + 1, sensitivity)
                 break
             means, factors, halvings = new_means, new_factors, 0
         if best is None:
@@ -294,24 +310,56 @@ class ConditionalProfile:
                 )
         return H
 
-    def along_axes(self, centre: Refit, directions, scales) -> list[Refit]:
-        """Re-fits at :data:`AXIS_POINTS` along each axis (the order of :func:`axis_marginal`).
+    def along_axes(self, centre: Refit, directions, scales) -> tuple[list[Refit], np.ndarray]:
+        """Re-fits at :data:`AXIS_POINTS` along each axis (the order of :func:`axis_marginal`),
+        and the axes' scales they were taken at.
 
         Each side of an axis is walked outwards from the centre, every point
-        starting from its inner neighbour's re-fit (continuation).
+        starting from its inner neighbour's re-fit (continuation). The points at
+        ``+-1`` sd come first: where the profile's second difference there is
+        outside :data:`CURVATURE_RANGE`, the curvature at the centre
+        mis-states the axis's width (confounded effects: a profile that fell 4
+        nats at 1 sd and 21 at 2 sd of the curvature's Gaussian), and the axis's
+        scale is set to the one that difference gives and the ``+-1`` points
+        taken again (at most :data:`MAX_AXIS_RESCALES` times).
+
+        Examples
+        --------
+        A Gaussian profile of sd 0.5 along an axis whose assumed scale is 1:
+
+        >>> import numpy as np
+        >>> step = lambda h, rho, m, f: (-2.0 * float(h @ h), m, f)
+        >>> prof = ConditionalProfile(step, np.zeros(1), [], [], [])
+        >>> centre = prof.refit(np.zeros(1), [], [])
+        >>> refits, scales = prof.along_axes(centre, np.eye(1), np.ones(1))
+        >>> float(scales[0]), [round(r.value, 6) for r in refits][:4]
+        (0.5, [-8.0, -4.5, -2.0, -0.5])
         """
+        scales = np.array(scales, dtype="float64")
         out = []
         for j in range(len(scales)):
-            axis = np.asarray(directions)[:, j] * scales[j]
-            side = {}
+            for _ in range(MAX_AXIS_RESCALES + 1):
+                axis = np.asarray(directions)[:, j] * scales[j]
+                ones = {
+                    z: self.refit(
+                        self.mean + z * axis, *self.start(self.mean + z * axis, centre, self.mean)
+                    )
+                    for z in (-1.0, 1.0)
+                }
+                curvature = 2.0 * centre.value - ones[-1.0].value - ones[1.0].value
+                lo, hi = CURVATURE_RANGE
+                if not (np.isfinite(curvature) and curvature > 0) or lo <= curvature <= hi:
+                    break
+                scales[j] /= np.sqrt(curvature)
+            side = dict(ones)
             for sign in (-1.0, 1.0):
-                prev, prev_z = centre, 0.0
-                for z in sorted(AXIS_POINTS[np.sign(AXIS_POINTS) == sign], key=abs):
+                prev, prev_z = ones[sign], sign
+                for z in sorted(AXIS_POINTS[np.sign(AXIS_POINTS) == sign], key=abs)[1:]:
                     h = self.mean + z * axis
                     prev = self.refit(h, *self.start(h, prev, self.mean + prev_z * axis))
                     side[z], prev_z = prev, z
             out.extend(side[z] for z in AXIS_POINTS)
-        return out
+        return out, scales
 
 
 def axis_marginal(values, directions, scales) -> AxisMarginal | None:
@@ -400,7 +448,7 @@ def _axis_log_density(z, lg, fine):
 MAX_VIEW_WORK = 3e7
 
 
-def averaged_view_factors(weights, factors):
+def averaged_view_factors(weights, factors, sensitivities=None):
     """The conditional covariance of q(w | h) averaged over the axis marginal, per segment.
 
     q(w)'s own covariance comes from the prior precision averaged over q(h)
@@ -416,6 +464,17 @@ def averaged_view_factors(weights, factors):
     its scale is small, and ``sigma z`` must not pair a large ``sigma`` with
     that width).
 
+    The covariances are averaged in the coordinates the data see: each
+    coordinate scaled by how strongly it moves the likelihoods' predictors at
+    that point relative to the centre (the column norms of the predictor's
+    Jacobian: ``sigma / sigma_centre`` for a non-centered ``z`` in ``sigma z``,
+    1 for a centered effect, whose prior is what changes). For non-centered effects of
+    two crossed factors the data fix ``sigma_1 z_1 + sigma_2 z_2`` on rows that
+    share both: in ``z`` that tight direction turns with the scales, and an
+    average of the ``z`` covariances is wide along every turned copy of it
+    (held-out predictor sds up to 2.8x NUTS's on grouseticks); in the data's
+    coordinates it stays put.
+
     Parameters
     ----------
     weights : np.ndarray
@@ -423,17 +482,25 @@ def averaged_view_factors(weights, factors):
     factors : list of list of np.ndarray
         Per profile point (the centre, then ``AXIS_POINTS`` along each axis in
         turn), per segment, the ``(R, K, K)`` lower precision Cholesky factors.
+    sensitivities : list of list of np.ndarray, optional
+        At the same points, per segment, the ``(R, K)`` squared column norms of
+        the predictor's Jacobian (:class:`Refit`'s ``sensitivity``); ``None``
+        (or a ``None`` entry) averages the covariances as they are.
 
     Returns
     -------
-    (list of np.ndarray, list of np.ndarray) or None
-        Per segment, the lower Cholesky factor of the inverse averaged
-        covariance, and the log ratios of ``sd(w | h)`` at :data:`NODES` along
-        each axis, ``(n, len(NODES), R, K)``: their sum over the axes at a
-        draw's coordinates is ``log(sd(w | h) / sd_avg)`` (relative to the centre
-        on each axis, axis 0 carrying ``log(sd_centre / sd_avg)``). ``None`` when a result is not positive
-        definite or not finite. Axes combine additively around the centre:
-        ``S_c + sum_j (E_j[S] - S_c)``.
+    (list of np.ndarray, list of np.ndarray, list of np.ndarray) or None
+        Per segment: the lower Cholesky factor of the inverse averaged
+        covariance (the draws' noise, before scaling); the log ratios of
+        ``sd(w | h)`` at :data:`NODES` along each axis, ``(n, len(NODES), R,
+        K)``, whose sum over the axes at a draw's coordinates scales its noise
+        (``log(sd(w | h) / sd_avg)``: relative to the centre on each axis, axis
+        0 carrying ``log(sd_centre / sd_avg)``); and the lower Cholesky factor
+        of the inverse of the scaled noise's covariance averaged over the axis
+        marginal (``E[exp(T_i + T_l)] S_il``, independent axes: the
+        covariance ``std`` and ``cov`` report). ``None`` when a result is not
+        positive definite or not finite. Axes combine additively around the
+        centre: ``S_c + sum_j (E_j[S] - S_c)``.
 
     Examples
     --------
@@ -443,17 +510,41 @@ def averaged_view_factors(weights, factors):
     >>> import numpy as np
     >>> w = np.r_[0.5, np.full(8, 0.5 / 8)][None]
     >>> f = [[np.ones((1, 1, 1))]] + [[np.full((1, 1, 1), 0.5)]] * 8
-    >>> L, log_ratio = averaged_view_factors(w, f)
-    >>> float(1 / L[0][0, 0, 0] ** 2), float(np.exp(2 * log_ratio[0][0, 4, 0, 0]))
-    (2.5, 0.4)
+    >>> L, log_ratio, L_mom = averaged_view_factors(w, f)
+    >>> var = lambda L: round(float(1 / L[0][0, 0, 0] ** 2), 12)
+    >>> var(L), round(float(np.exp(2 * log_ratio[0][0, 4, 0, 0])), 12), var(L_mom)
+    (2.5, 0.4, 2.5)
+
+    A non-centered ``z`` whose scale is twice the centre's at every other point:
+    its squared column norm is 4x and its conditional variance 1/4 there. The
+    data see one variance throughout, so the average is the centre's, and the
+    variances along the axis are the re-fits' own (their average, 0.625, is
+    what ``std`` reports).
+
+    >>> f = [[np.ones((1, 1, 1))]] + [[np.full((1, 1, 1), 2.0)]] * 8
+    >>> c = [[np.ones((1, 1))]] + [[np.full((1, 1), 4.0)]] * 8
+    >>> L, log_ratio, L_mom = averaged_view_factors(w, f, c)
+    >>> var(L), round(float(np.exp(2 * log_ratio[0][0, 5, 0, 0])), 12), var(L_mom)
+    (1.0, 0.25, 0.625)
     """
     n, per_axis = weights.shape[0], weights.shape[1] - 1
     if len(factors) != 1 + n * per_axis:
         raise ValueError(f"expected {1 + n * per_axis} profile points, got {len(factors)}")
     centre_at = int(np.flatnonzero(NODES == 0.0)[0])
-    out, ratios = [], []
+    # NODES positions of the weights' points (the centre, then AXIS_POINTS)
+    at_weights = [centre_at, *(int(np.flatnonzero(NODES == z)[0]) for z in AXIS_POINTS)]
+    out, ratios, moments = [], [], []
     for s in range(len(factors[0])):
         covs = [_block_covariance(f[s]) for f in factors]
+        if sensitivities is None or any(c is None for c in sensitivities):
+            log_scales = [np.zeros(np.shape(c)[:-1]) for c in covs]
+        else:
+            log_scales = sensitivity_log_scales([np.asarray(c[s]) for c in sensitivities])
+        # in the data's coordinates (unscaled at the centre)
+        covs = [
+            c * np.exp(ls[..., :, None] + ls[..., None, :])
+            for c, ls in zip(covs, log_scales, strict=True)
+        ]
         centre = covs[0]
         avg = centre.copy()
         for j in range(n):
@@ -469,19 +560,63 @@ def averaged_view_factors(weights, factors):
         except np.linalg.LinAlgError:
             return None
         var_avg = np.diagonal(avg, axis1=-2, axis2=-1)
-        variances = [np.diagonal(c, axis1=-2, axis2=-1) for c in covs]
+        # sd(w | h) relative to the centre's, back in w's coordinates
+        log_sds = [
+            0.5 * np.log(np.diagonal(c, axis1=-2, axis2=-1)) - ls
+            for c, ls in zip(covs, log_scales, strict=True)
+        ]
         ratio = np.empty((n, len(NODES), *var_avg.shape))
         for j in range(n):
-            along = variances[1 + j * per_axis : 1 + (j + 1) * per_axis]
-            along.insert(centre_at, variances[0])
-            ratio[j] = 0.5 * np.log(np.stack(along) / variances[0])
+            along = log_sds[1 + j * per_axis : 1 + (j + 1) * per_axis]
+            along.insert(centre_at, log_sds[0])
+            ratio[j] = np.stack(along) - log_sds[0]
         # the axes multiply the centre's sd; the average over them is the averaged sd
-        ratio[0] += 0.5 * np.log(variances[0] / var_avg)
-        if not (np.all(np.isfinite(L)) and np.all(np.isfinite(ratio))):
+        ratio[0] += log_sds[0] - 0.5 * np.log(var_avg)
+        scaled = avg.copy()
+        for j in range(n):
+            e = np.exp(ratio[j][at_weights])
+            scaled *= np.einsum("k,k...i,k...l->...il", weights[j], e, e)
+        try:
+            prec = np.linalg.inv(scaled)
+            L_mom = np.linalg.cholesky(0.5 * (prec + np.swapaxes(prec, -1, -2)))
+        except np.linalg.LinAlgError:
+            return None
+        if not (
+            np.all(np.isfinite(L)) and np.all(np.isfinite(ratio)) and np.all(np.isfinite(L_mom))
+        ):
             return None
         out.append(L)
         ratios.append(ratio)
-    return out, ratios
+        moments.append(L_mom)
+    return out, ratios, moments
+
+
+def sensitivity_log_scales(sensitivities, floor=1e-12):
+    """``log`` of how strongly each coordinate moves the predictors, relative to the centre.
+
+    ``0.5 log(c_k / c_0)`` for the squared column norms ``c_k`` of the
+    predictor's Jacobian at each point (``c_0`` at the centre): a coordinate
+    that enters the predictor as ``sigma z`` has ``c_k / c_0 = (sigma_k /
+    sigma_0)^2``. Zero where a norm is not positive or the centre's is below
+    ``floor`` times the segment's largest (no data move the coordinate).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> c = [np.array([[4.0, 1.0, 0.0]]), np.array([[16.0, 1.0, 5.0]])]
+    >>> [np.round(x, 4).tolist() for x in sensitivity_log_scales(c)]
+    [[[0.0, 0.0, 0.0]], [[0.6931, 0.0, 0.0]]]
+    """
+    c0 = np.asarray(sensitivities[0], dtype="float64")
+    top = np.max(c0) if c0.size else 0.0
+    held = c0 > floor * top
+    out = []
+    for c in sensitivities:
+        c = np.asarray(c, dtype="float64")
+        ok = held & (c > 0)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            out.append(np.where(ok, 0.5 * np.log(np.where(ok, c / c0, 1.0)), 0.0))
+    return out
 
 
 def conditional_mean_table(refits, fitted_means, responses, directions, scales, flat_maps, size):

@@ -152,6 +152,28 @@ class StructuredBound:
         means = [st.mean for st in states]
         return [g.moments(means, covs, g.prepare())[1] for g in self.geometries]
 
+    def sensitivities(self, n_segments: int):
+        """Per segment, ``sum_i a_i^2`` over the rows of the likelihoods' affine predictors.
+
+        ``a_i`` is a row's coefficient vector on the segment's coordinates (the
+        predictor's Jacobian), so each entry is the squared norm of a column of
+        that Jacobian: how strongly the data can move with the coordinate,
+        whatever the likelihood's curvature. Priors, non-affine and bilinear
+        terms are left out. ``(R, K)`` tensors (zeros where nothing enters).
+        """
+        out = [None] * n_segments
+        for term, geom in zip(self.tlm.predictor_terms, self.geometries, strict=True):
+            if term.kind != "likelihood":
+                continue
+            n = geom.n_rows
+            _, out = geom.accumulate(
+                pt.zeros((n,)), pt.ones((n,)), [None] * n_segments, out, geom.prepare()
+            )
+        return [
+            pt.zeros((seg.rows, seg.k)) if H is None else pt.diagonal(H, axis1=-2, axis2=-1)
+            for H, seg in zip(out, self.tlm.segments, strict=True)
+        ]
+
     def evaluate(
         self,
         states: list[GaussianBlocks],

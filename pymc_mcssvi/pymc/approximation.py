@@ -9,6 +9,8 @@ on the samples, ``approx.mean`` / ``std`` / ``cov`` and callbacks.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import pytensor.tensor as pt
 from pymc.variational.opvi import Approximation, Group, node_property
@@ -18,7 +20,41 @@ from pymc_mcssvi.algorithms.marginal import node_interpolation, table_transform
 from pymc_mcssvi.families.gaussian import GaussianBlocks, covariance, sample
 from pymc_mcssvi.pymc.python_vm import graph_building
 
-__all__ = ["PointGroup", "StructuredApproximation", "StructuredGaussianGroup"]
+__all__ = ["ConditionalView", "PointGroup", "StructuredApproximation", "StructuredGaussianGroup"]
+
+
+class ConditionalView(NamedTuple):
+    """Shared variables of the Gaussian globals' draws given the hyperparameters' draws.
+
+    Set after a fit from q(w | h) re-fitted at the profile points of q(h) (see
+    :mod:`pymc_mcssvi.algorithms.marginal`); used while ``on`` is 1.
+
+    Attributes
+    ----------
+    on : SharedVariable
+        int8 flag.
+    factors : list of SharedVariable
+        Per segment, the factor (in the group's parameterization) of the draws'
+        noise before scaling (:func:`~pymc_mcssvi.algorithms.marginal.averaged_view_factors`).
+    sd_table : SharedVariable
+        ``(n_h, len(NODES), ddim)`` log ratios of the conditional sds along q(h)'s
+        axes: each draw's noise is scaled by them at its ``h``.
+    mean_table : SharedVariable
+        ``(n_h, len(NODES), ddim)`` departures of the conditional means from the
+        linear response (:func:`~pymc_mcssvi.algorithms.marginal.conditional_mean_table`).
+    moments : DrawMoments
+        What the mean table adds to the draws' mean and covariance.
+    moment_factors : list of SharedVariable
+        Per segment, the factor of the scaled noise's covariance averaged over
+        q(h): the own covariance ``std`` and ``cov`` report.
+    """
+
+    on: object
+    factors: list
+    sd_table: object
+    mean_table: object
+    moments: object
+    moment_factors: list
 
 
 def _scatter(target, idx, values):
@@ -70,17 +106,14 @@ class StructuredGaussianGroup(Group):
     :mod:`~pymc_mcssvi.algorithms.marginal`) replaces the Gaussian by the
     skewed axis marginal while ``on`` is 1; ``center`` stays the Gaussian's
     mean (the point other groups' linear responses are taken at).
-    An optional ``view=(on, factors, table, mean_table, shift)`` (a flag, one
-    shared factor per segment in the group's parameterization, the
-    ``(n_h, 9, ddim)`` log ratios of the conditional sds along the
-    hyperparameters' axes, the ``(n_h, 9, ddim)`` conditional means'
-    departures from the linear response there and the draws' mean minus
-    ``center``) replaces q's own factors in the draws, ``std`` and ``cov`` while
-    ``on`` is 1, scales each draw's noise by the conditional sds at its ``h``
-    (see :func:`~pymc_mcssvi.algorithms.marginal.averaged_view_factors`) and
-    adds the departure of its mean (see
-    :func:`~pymc_mcssvi.algorithms.marginal.conditional_mean_table`);
-    ``mean`` is the draws' (``center + shift``), ``std`` and ``cov`` keep the
+    An optional ``view`` (:class:`ConditionalView`) replaces q's own factors
+    in the draws (by ``view.factors``) and in ``std`` and ``cov`` (by
+    ``view.moment_factors``) while ``view.on`` is 1, scales each draw's noise
+    by the conditional sds at its ``h`` (see
+    :func:`~pymc_mcssvi.algorithms.marginal.averaged_view_factors`) and adds
+    the departure of its mean (see
+    :func:`~pymc_mcssvi.algorithms.marginal.conditional_mean_table`); ``mean``
+    is the draws' (``center + moments.shift``), ``std`` and ``cov`` keep the
     linear response's terms.
     """
 
@@ -144,18 +177,22 @@ class StructuredGaussianGroup(Group):
     def _own_states(self):
         """``(state, flat_map)`` of the segments whose own blocks enter the covariance."""
         head = None if self.arrow is None else self.arrow[0]
+        states = self._states(moments=True)
         return [
             (st, idx)
-            for s, (st, idx) in enumerate(zip(self._states(), self.flat_maps, strict=True))
+            for s, (st, idx) in enumerate(zip(states, self.flat_maps, strict=True))
             if s != head
         ]
 
-    def _states(self):
+    def _states(self, moments=False):
+        """The segments' states; with a view, its draws' factors (or, with ``moments``,
+        the factors of the covariance ``std`` and ``cov`` report)."""
         factors = list(self.shared_factors)
         if self.view is not None:
-            on, view_factors, *_ = self.view
+            view_factors = self.view.moment_factors if moments else self.view.factors
             factors = [
-                pt.switch(pt.eq(on, 1), v, f) for v, f in zip(view_factors, factors, strict=True)
+                pt.switch(pt.eq(self.view.on, 1), v, f)
+                for v, f in zip(view_factors, factors, strict=True)
             ]
         return [GaussianBlocks(m, f) for m, f in zip(self.shared_means, factors, strict=True)]
 
@@ -176,13 +213,14 @@ class StructuredGaussianGroup(Group):
             hyper, pairs = resp
             h = hyper.symbolic_random - hyper.center[None, :]
             if self.view is not None and hyper.marginal is not None:
-                on, _, table, mean_table, _ = self.view
+                on = self.view.on
                 _, V, s, *_ = hyper.marginal
                 t = (h @ V) / s
-                scale = pt.exp(node_interpolation(t, table))
+                scale = pt.exp(node_interpolation(t, self.view.sd_table))
                 centre = self.center[None, :]
                 out = centre + pt.switch(pt.eq(on, 1), scale, 1.0) * (out - centre)
-                out = out + pt.switch(pt.eq(on, 1), node_interpolation(t, mean_table), 0.0)
+                mean_shift = node_interpolation(t, self.view.mean_table)
+                out = out + pt.switch(pt.eq(on, 1), mean_shift, 0.0)
             out = out + h @ self._response_matrix(hyper, pairs).T
         if self.marginal is not None:
             on, V, s, T, _, _ = self.marginal
@@ -202,7 +240,7 @@ class StructuredGaussianGroup(Group):
         """``(on, DrawMoments)`` of the conditional view, or ``None``."""
         if self.view is None:
             return None
-        return self.view[0], self.view[-1]
+        return self.view.on, self.view.moments
 
     @node_property
     def mean(self):

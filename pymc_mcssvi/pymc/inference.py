@@ -64,6 +64,7 @@ from pymc_mcssvi.exceptions import DivergenceError
 from pymc_mcssvi.families.batched import register_jax_dispatch
 from pymc_mcssvi.families.gaussian import GaussianBlocks
 from pymc_mcssvi.pymc.approximation import (
+    ConditionalView,
     PointGroup,
     RayleighGroup,
     StructuredApproximation,
@@ -689,7 +690,7 @@ class StructuredVI(Inference):
         self._view = None
         if getattr(self, "_marginal", None) is not None and not arrow_view:
             n_w = sum(g.size for g in tlm.gaussians)
-            self._view = (
+            self._view = ConditionalView(
                 pytensor.shared(np.int8(0), name="conditional_view_on"),
                 [
                     pytensor.shared(f.get_value(), name=f"conditional_view_factor_{s}")
@@ -712,6 +713,10 @@ class StructuredVI(Inference):
                         )
                     ],
                 ),
+                [
+                    pytensor.shared(f.get_value(), name=f"conditional_view_moment_factor_{s}")
+                    for s, f in enumerate(k.base_factor)
+                ],
             )
         groups = [
             StructuredGaussianGroup(
@@ -943,7 +948,7 @@ class StructuredVI(Inference):
         if getattr(self, "_marginal", None) is not None:
             self._marginal[0].set_value(np.int8(0))  # recomputed at the end of this fit
         if getattr(self, "_view", None) is not None:
-            self._view[0].set_value(np.int8(0))
+            self._view.on.set_value(np.int8(0))
         step = self._step_function(backend, compile_kwargs)
         if isinstance(step, _UpgradingStep):
             if n is not None and step.calls + n > UPGRADE_AT:
@@ -1078,7 +1083,8 @@ class StructuredVI(Inference):
                 hyp.lr_factor.set_value(L_P[None])
                 lam, V = np.linalg.eigh(np.linalg.inv(P))
                 s = np.sqrt(lam)
-                refits = [centre, *prof.along_axes(centre, V, s)]
+                along, s = prof.along_axes(centre, V, s)
+                refits = [centre, *along]
         except Exception as err:  # the Gaussian q(h) stays
             logger.info("Skewed q(h) not computed (%s: %s)", type(err).__name__, err)
             return
@@ -1094,37 +1100,42 @@ class StructuredVI(Inference):
         on.set_value(np.int8(1))
         if self._view is None:
             return
-        view_on, view_factors, table_sh, mean_sh, moments_sh = self._view
-        n_w = mean_sh.get_value(borrow=True).shape[-1]
+        view = self._view
+        n_w = view.mean_table.get_value(borrow=True).shape[-1]
         mean_table = conditional_mean_table(refits, means, responses, V, s, self._flat_maps, n_w)
-        mean_sh.set_value(mean_table)
+        view.mean_table.set_value(mean_table)
         moments = draw_moments(mean_table, am, responses, self._flat_maps, n_w)
-        for shared, value in zip(moments_sh, moments, strict=True):
+        for shared, value in zip(view.moments, moments, strict=True):
             shared.set_value(value)
-        table = np.zeros(table_sh.get_value(borrow=True).shape)
+        table = np.zeros(view.sd_table.get_value(borrow=True).shape)
         factors = [f.get_value() for f in self.kernel.base_factor]
+        moment_factors = factors
         work = sum(f.shape[0] * f.shape[-1] ** 3 for f in factors)
         if work <= MAX_VIEW_WORK:
             with np.errstate(all="ignore"):
-                view = averaged_view_factors(am.weights, [r.factors for r in refits])
-            if view is None:
+                averaged = averaged_view_factors(
+                    am.weights, [r.factors for r in refits], [r.sensitivity for r in refits]
+                )
+            if averaged is None:
                 logger.info("Conditional covariance of q(w) not averaged: not positive definite")
             else:
-                factors, ratios = view
+                factors, ratios, moment_factors = averaged
                 for ratio, idx in zip(ratios, self._flat_maps, strict=True):
                     table[:, :, idx.reshape(-1)] = ratio.reshape((*ratio.shape[:2], -1))
-        for shared, f in zip(view_factors, factors, strict=True):
+        for shared, f in zip(view.factors, factors, strict=True):
             shared.set_value(f)
-        table_sh.set_value(table)
-        view_on.set_value(np.int8(1))
+        for shared, f in zip(view.moment_factors, moment_factors, strict=True):
+            shared.set_value(f)
+        view.sd_table.set_value(table)
+        view.on.set_value(np.int8(1))
 
     def _compile_profile(self):
-        """The re-fit step ``(h, rho, means, factors) -> (value, means, factors, gain)`` of
+        """The re-fit step ``(h, rho, means, factors) -> (value, means, factors, gain, sensitivity)`` of
         :func:`~pymc_mcssvi.algorithms.marginal.refit_graph`, ``h`` flat."""
         hyp = self.kernel.hypers
         with graph_building(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            inputs, outputs = refit_graph(self.kernel, gain=True)
+            inputs, outputs = refit_graph(self.kernel, gain=True, sensitivity=True)
             ck = (
                 {"mode": python_few_calls_mode()}
                 if self.backend_used in (None, "python", "custom")
@@ -1138,7 +1149,8 @@ class StructuredVI(Inference):
         def step(h, rho, means, factors):
             hs = [x.reshape(shp) for x, shp in zip(np.split(h, split), shapes, strict=True)]
             out = fn(*hs, rho, *means, *factors)
-            return out[0], out[1 : 1 + nseg], out[1 + nseg : 1 + 2 * nseg], out[-1]
+            k = 1 + 2 * nseg
+            return out[0], out[1 : 1 + nseg], out[1 + nseg : k], out[k], out[k + 1 :]
 
         return step
 

@@ -19,10 +19,14 @@ the curvature at the centre (second difference at ``z = +-1`` within
 otherwise the Gaussian is kept. Draws are ``h = mu + V diag(s) T(e)`` with
 ``e ~ N(0, I)`` and ``T`` the monotone map from standard normal to each axis
 marginal (its quantile function at ``Phi(e)``), tabulated on a grid of ``e``.
+The walk along an axis is re-scaled when the profile's second difference at
+``+-1`` sd disagrees with the curvature (:meth:`ConditionalProfile.along_axes`).
 The re-fitted q(w | h) at the profile points also shape the Gaussian
-globals' draws: their averaged conditional covariance
-(:func:`averaged_view_factors`) and their means' departure from the linear
-response (:func:`conditional_mean_table`).
+globals' draws, both in the coordinates the data see (each coordinate scaled
+by its column of the predictor's Jacobian, :func:`sensitivity_log_scales`):
+their averaged conditional covariance (:func:`averaged_view_factors`) and
+their conditional means along the axes (:func:`conditional_mean_table`,
+moments by :func:`draw_moments`).
 """
 
 from __future__ import annotations
@@ -43,12 +47,16 @@ __all__ = [
     "AxisMarginal",
     "NODES",
     "averaged_view_factors",
+    "refit_log_scales",
     "sensitivity_log_scales",
     "axis_marginal",
     "ConditionalProfile",
     "Refit",
     "conditional_mean_table",
     "DrawMoments",
+    "MAX_MOMENT_GRID",
+    "MAX_MEAN_LOG_SCALE",
+    "MAX_MOMENT_RANK",
     "draw_moments",
     "node_interpolation",
     "refit_graph",
@@ -448,7 +456,7 @@ def _axis_log_density(z, lg, fine):
 MAX_VIEW_WORK = 3e7
 
 
-def averaged_view_factors(weights, factors, sensitivities=None):
+def averaged_view_factors(weights, factors, log_scales=None):
     """The conditional covariance of q(w | h) averaged over the axis marginal, per segment.
 
     q(w)'s own covariance comes from the prior precision averaged over q(h)
@@ -482,10 +490,10 @@ def averaged_view_factors(weights, factors, sensitivities=None):
     factors : list of list of np.ndarray
         Per profile point (the centre, then ``AXIS_POINTS`` along each axis in
         turn), per segment, the ``(R, K, K)`` lower precision Cholesky factors.
-    sensitivities : list of list of np.ndarray, optional
-        At the same points, per segment, the ``(R, K)`` squared column norms of
-        the predictor's Jacobian (:class:`Refit`'s ``sensitivity``); ``None``
-        (or a ``None`` entry) averages the covariances as they are.
+    log_scales : list of list of np.ndarray, optional
+        At the same points, per segment, the ``(R, K)`` log column norms of the
+        predictor's Jacobian relative to the centre's (:func:`refit_log_scales`);
+        ``None`` averages the covariances as they are.
 
     Returns
     -------
@@ -522,8 +530,8 @@ def averaged_view_factors(weights, factors, sensitivities=None):
     what ``std`` reports).
 
     >>> f = [[np.ones((1, 1, 1))]] + [[np.full((1, 1, 1), 2.0)]] * 8
-    >>> c = [[np.ones((1, 1))]] + [[np.full((1, 1), 4.0)]] * 8
-    >>> L, log_ratio, L_mom = averaged_view_factors(w, f, c)
+    >>> ls = [[np.zeros((1, 1))]] + [[np.full((1, 1), np.log(2.0))]] * 8
+    >>> L, log_ratio, L_mom = averaged_view_factors(w, f, ls)
     >>> var(L), round(float(np.exp(2 * log_ratio[0][0, 5, 0, 0])), 12), var(L_mom)
     (1.0, 0.25, 0.625)
     """
@@ -536,14 +544,15 @@ def averaged_view_factors(weights, factors, sensitivities=None):
     out, ratios, moments = [], [], []
     for s in range(len(factors[0])):
         covs = [_block_covariance(f[s]) for f in factors]
-        if sensitivities is None or any(c is None for c in sensitivities):
-            log_scales = [np.zeros(np.shape(c)[:-1]) for c in covs]
-        else:
-            log_scales = sensitivity_log_scales([np.asarray(c[s]) for c in sensitivities])
+        seg_scales = (
+            [np.zeros(np.shape(c)[:-1]) for c in covs]
+            if log_scales is None
+            else [np.asarray(ls[s]) for ls in log_scales]
+        )
         # in the data's coordinates (unscaled at the centre)
         covs = [
             c * np.exp(ls[..., :, None] + ls[..., None, :])
-            for c, ls in zip(covs, log_scales, strict=True)
+            for c, ls in zip(covs, seg_scales, strict=True)
         ]
         centre = covs[0]
         avg = centre.copy()
@@ -563,7 +572,7 @@ def averaged_view_factors(weights, factors, sensitivities=None):
         # sd(w | h) relative to the centre's, back in w's coordinates
         log_sds = [
             0.5 * np.log(np.diagonal(c, axis1=-2, axis2=-1)) - ls
-            for c, ls in zip(covs, log_scales, strict=True)
+            for c, ls in zip(covs, seg_scales, strict=True)
         ]
         ratio = np.empty((n, len(NODES), *var_avg.shape))
         for j in range(n):
@@ -589,6 +598,71 @@ def averaged_view_factors(weights, factors, sensitivities=None):
         ratios.append(ratio)
         moments.append(L_mom)
     return out, ratios, moments
+
+
+#: Largest change of a coordinate's log scale over the profile points (a factor 20) for
+#: which its draws' mean follows it without checking the re-fitted means: non-centered
+#: GLMM effects change by at most 1.6 (grouseticks), a Hilbert-space GP's
+#: high-frequency coefficients by up to 40.
+MAX_MEAN_LOG_SCALE = 3.0
+
+
+def refit_log_scales(refits, means: bool = False):
+    """Per re-fit, per segment, the log scales of the data's coordinates relative to the centre.
+
+    :func:`sensitivity_log_scales` of the re-fits' ``sensitivity`` (the first
+    re-fit is the centre); ``None`` if a re-fit lacks it. With ``means=True``
+    (the scales the draws' means follow) a coordinate whose log scale changes
+    by more than :data:`MAX_MEAN_LOG_SCALE` keeps them only if its re-fitted
+    means fit ``m_k = m_0 exp(-ls_k)`` (data-held: a non-centered ``z`` moves
+    like ``1 / sigma``) at least as well as ``m_k = m_0`` (in the local sds,
+    summed over the profile points); otherwise its scales are 0. A
+    high-frequency basis coefficient of a Hilbert-space GP, whose column
+    scales with its spectral density over orders of magnitude while the prior
+    holds it, is such a coordinate: with its scales its draws' means came out
+    0.8 NUTS sd off. Smaller changes are kept without the check: the direction
+    two crossed effects share is data-held even where each coordinate alone
+    would fit ``m_0`` better (and keeping it brought grouseticks' predictor
+    sds from 1.33x to 1.16x NUTS's). Covariances are averaged with all scales.
+
+    Examples
+    --------
+    A coordinate whose mean follows ``1 / sigma`` and one whose mean follows
+    ``sigma^2``, both with columns ``sigma`` (at ``sigma`` 1, 30 and 60, log
+    scales past :data:`MAX_MEAN_LOG_SCALE`):
+
+    >>> import numpy as np
+    >>> f = [np.eye(2)[None]]
+    >>> sens = lambda s: [np.array([[s * s, s * s]])]
+    >>> refits = [Refit(0.0, [np.array([[1.0, 1.0]])], f, 0, sens(1.0)),
+    ...           Refit(0.0, [np.array([[1 / 30, 900.0]])], f, 0, sens(30.0)),
+    ...           Refit(0.0, [np.array([[1 / 60, 3600.0]])], f, 0, sens(60.0))]
+    >>> [np.round(x[0], 3).tolist() for x in refit_log_scales(refits, means=True)]
+    [[[0.0, 0.0]], [[3.401, 0.0]], [[4.094, 0.0]]]
+    """
+    if any(r.sensitivity is None for r in refits):
+        return None
+    nseg = len(refits[0].sensitivity)
+    out = [[None] * nseg for _ in refits]
+    grid = np.array([0.0, 1.0])[:, None, None, None]
+    for s in range(nseg):
+        ls = np.stack(sensitivity_log_scales([r.sensitivity[s] for r in refits]))
+        if means:
+            sd = np.stack(
+                [
+                    np.sqrt(np.diagonal(_block_covariance(r.factors[s]), axis1=-2, axis2=-1))
+                    for r in refits
+                ]
+            )
+            m = np.stack([np.asarray(r.means[s]) for r in refits])
+            with np.errstate(invalid="ignore", over="ignore"):
+                misfit = np.sum(((m - m[0] * np.exp(-grid * ls)) / sd) ** 2, axis=1)
+            misfit = np.where(np.isfinite(misfit), misfit, np.inf)
+            moderate = np.max(np.abs(ls), axis=0) <= MAX_MEAN_LOG_SCALE
+            ls = np.where(moderate | (misfit[1] <= misfit[0]), ls, 0.0)
+        for i in range(len(refits)):
+            out[i][s] = ls[i]
+    return out
 
 
 def sensitivity_log_scales(sensitivities, floor=1e-12):
@@ -619,24 +693,31 @@ def sensitivity_log_scales(sensitivities, floor=1e-12):
     return out
 
 
-def conditional_mean_table(refits, fitted_means, responses, directions, scales, flat_maps, size):
-    """What the linear response misses of q(w | h)'s mean, at :data:`NODES` along each axis.
+def conditional_mean_table(
+    refits, fitted_means, directions, scales, flat_maps, size, log_scales=None
+):
+    """q(w | h)'s re-fitted means at :data:`NODES` along each axis, in the data's coordinates.
 
-    The draws of the Gaussian globals follow ``h`` through the linear response,
-    ``m + U (h - mu)``. A non-centered effect ``z`` with ``a = sigma z`` fixed
-    by the data moves like ``1 / sigma``, far from linearly in ``log sigma``:
-    the linear response then spreads ``a`` over the draws of ``sigma`` (on the
-    grouseticks GLMM the well-determined brood effects' sds were up to 1.3x
-    NUTS's and their means 0.35 sd off). The table holds, at each node, the
-    re-fitted mean minus the linear response; the draws add it interpolated
-    along each axis (:func:`node_interpolation`, additive across axes).
+    A non-centered effect ``z`` with ``a = sigma z`` fixed by the data moves like
+    ``1 / sigma``, far from linearly in ``log sigma``: a linear response spreads
+    ``a`` over the draws of ``sigma`` (on the grouseticks GLMM the
+    well-determined brood effects' sds were up to 1.3x NUTS's and their means
+    0.35 sd off). With two crossed or nested factors the data fix ``sb zb + sl
+    zl``, and each ``z`` follows a product of both scales, which no sum of
+    per-axis corrections in ``z`` reproduces (held-out predictors up to 1.4x
+    NUTS's sds). In the data's coordinates ``u = s(h) w`` (``s`` the column
+    norms of the predictor's Jacobian relative to the centre, see
+    :func:`sensitivity_log_scales`) the mean barely moves and its moves add up
+    across axes. The draws' mean is then ``exp(-sum_j LS_j(t_j)) (m + sum_j
+    M_j(t_j))`` with both tables interpolated along the axes
+    (:func:`node_interpolation`; ``m`` the fitted mean).
 
     Parameters
     ----------
     refits : list of Refit
         The centre, then :data:`AXIS_POINTS` along each axis in turn.
-    fitted_means, responses : list of np.ndarray
-        q(w)'s fitted means ``(R, K)`` and responses ``(R, K, n_h)`` per segment.
+    fitted_means : list of np.ndarray
+        q(w)'s fitted means ``(R, K)`` per segment.
     directions, scales : np.ndarray
         q(h)'s axes (columns) and sds; node ``z`` of axis ``j`` is
         ``mu + z scales[j] directions[:, j]``.
@@ -644,108 +725,142 @@ def conditional_mean_table(refits, fitted_means, responses, directions, scales, 
         Per segment, the ``(R, K)`` positions in the flat vector of q(w).
     size : int
         Length of that flat vector.
+    log_scales : list of list of np.ndarray, optional
+        Per refit, per segment, ``log s`` relative to the centre's, ``(R, K)``
+        (:func:`refit_log_scales`); ``None``: ``s = 1``.
 
     Returns
     -------
-    np.ndarray
-        ``(n_h, len(NODES), size)``; axis 0 also carries the centre's offset
-        from the fitted mean (the fitted q(w) optimizes the bound averaged over
-        q(h), the centre's re-fit the bound at its mean).
+    (np.ndarray, np.ndarray)
+        ``M`` and ``LS``, each ``(n_h, len(NODES), size)``: at each node the
+        mean in the data's coordinates minus the centre's (axis 0 also carries
+        the centre's offset from the fitted mean: the fitted q(w) optimizes the
+        bound averaged over q(h), the centre's re-fit the bound at its mean),
+        and ``log s`` (0 at the centre).
 
     Examples
     --------
-    One coordinate whose re-fitted mean is ``exp(-h)`` (``1 / sigma``), fitted
-    mean 1, response -1 (the linear response at ``h = 0``):
+    One coordinate ``z`` whose re-fitted mean is ``exp(-h)`` (``1 / sigma``) and
+    whose column norm is ``exp(h)``: in the data's coordinates it does not move.
 
     >>> import numpy as np
     >>> nodes = np.r_[0.0, AXIS_POINTS]
     >>> refits = [Refit(0.0, [np.exp(-np.array([[z]]))], [None], 0) for z in nodes]
-    >>> table = conditional_mean_table(
-    ...     refits, [np.ones((1, 1))], [-np.ones((1, 1, 1))], np.eye(1), np.ones(1),
-    ...     [np.zeros((1, 1), dtype=int)], 1)
-    >>> np.allclose(1.0 - NODES + table[0, :, 0], np.exp(-NODES))
-    True
+    >>> ls = [[np.array([[z]])] for z in nodes]
+    >>> M, LS = conditional_mean_table(
+    ...     refits, [np.ones((1, 1))], np.eye(1), np.ones(1),
+    ...     [np.zeros((1, 1), dtype=int)], 1, ls)
+    >>> bool(np.allclose(M, 0.0)), bool(np.allclose(LS[0, :, 0], NODES))
+    (True, True)
     """
 
-    def flat(means):
-        out = np.empty(size)
-        for m, idx in zip(means, flat_maps, strict=True):
+    def flat(blocks):
+        out = np.zeros(size)
+        for m, idx in zip(blocks, flat_maps, strict=True):
             out[np.asarray(idx).reshape(-1)] = np.asarray(m).reshape(-1)
         return out
 
     n = len(scales)
-    U = np.zeros((size, n))
-    for R, idx in zip(responses, flat_maps, strict=True):
-        U[np.asarray(idx).reshape(-1)] = np.asarray(R).reshape(-1, n)
     centre = flat(refits[0].means)
     table = np.zeros((n, len(NODES), size))
+    log_table = np.zeros((n, len(NODES), size))
     per_axis = len(AXIS_POINTS)
     for j in range(n):
-        axis = np.asarray(directions)[:, j] * scales[j]
         for k, z in enumerate(AXIS_POINTS):
             node = int(np.flatnonzero(NODES == z)[0])
-            m = flat(refits[1 + j * per_axis + k].means)
-            table[j, node] = m - centre - U @ (z * axis)
+            i = 1 + j * per_axis + k
+            ls = np.zeros(size) if log_scales is None else flat(log_scales[i])
+            table[j, node] = np.exp(ls) * flat(refits[i].means) - centre
+            log_table[j, node] = ls
     table[0] += centre - flat(fitted_means)
-    return table
+    return table, log_table
 
 
 class DrawMoments(NamedTuple):
-    """What the mean table adds to the moments of the Gaussian globals' draws.
+    """The moments of the Gaussian globals' draws' mean part under the axis marginal.
 
     With ``t_j`` the draws' coordinates along q(h)'s axes (``h - mu = sum_j
-    scales_j t_j directions_j``), the draws are ``m + noise + U (h - mu) + sum_j
-    r_j(t_j)`` with ``r_j`` the interpolated mean table. Independent axes give
+    scales_j t_j directions_j``), the draws are ``m + noise + g(t)``, ``g(t) =
+    exp(-sum_j LS_j(t_j)) (m + sum_j M_j(t_j)) - m``
+    (:func:`conditional_mean_table`), the noise independent of ``t``. On the
+    grid of the axis marginal's nodes (independent axes):
 
-    * mean: ``m + shift``, ``shift = U E[h - mu] + sum_j E[r_j]``;
-    * covariance: the linear response's ``own + U cov(h) U^T`` plus
-      ``A B^T + B A^T + R R^T`` (``A_j = Cov(r_j, t_j)``,
-      ``B_j = U scales_j directions_j``, ``R R^T = sum_j Var(r_j)``);
-    * cross-covariance with ``h``: ``U cov(h)`` plus ``A diag(scales) directions^T``.
-
-    Expectations over ``t_j`` use the axis marginal's node weights.
+    * ``shift = E[g]``: the draws' mean is ``m + shift``;
+    * ``R R^T = Cov(g)``: added to the noise's covariance;
+    * ``cross = Cov(g, h)``: the cross-covariance with ``h``.
     """
 
     shift: np.ndarray
-    A: np.ndarray
-    B: np.ndarray
     R: np.ndarray
+    cross: np.ndarray
 
 
-def draw_moments(mean_table, marginal: AxisMarginal, responses, flat_maps, size) -> DrawMoments:
-    """The :class:`DrawMoments` of a mean table under the axis marginal.
+#: Largest number of grid points times coordinates of :func:`draw_moments`'s exact grid
+#: (above it, points are drawn from the grid's weights).
+MAX_MOMENT_GRID = 2e7
+#: Largest rank of ``R`` in :class:`DrawMoments`.
+MAX_MOMENT_RANK = 729
+
+
+def draw_moments(mean_table, log_scale_table, marginal: AxisMarginal, fitted) -> DrawMoments:
+    """The :class:`DrawMoments` of the tables of :func:`conditional_mean_table`.
 
     Examples
     --------
     A table that is 1 at the centre and 0 elsewhere, half of the weight at the
-    centre, no response: the mean moves by 1/2 and the variance grows by 1/4.
+    centre: the mean moves by 1/2 and the variance grows by 1/4.
 
     >>> import numpy as np
     >>> table = np.zeros((1, len(NODES), 1))
     >>> table[0, 4, 0] = 1.0
     >>> am = AxisMarginal(np.eye(1), np.ones(1), None, np.zeros(1), None, None,
     ...                   np.r_[0.5, np.full(8, 0.5 / 8)][None])
-    >>> mom = draw_moments(table, am, [np.zeros((1, 1, 1))], [np.zeros((1, 1), int)], 1)
-    >>> float(mom.shift[0]), float((mom.R @ mom.R.T)[0, 0])
+    >>> mom = draw_moments(table, np.zeros_like(table), am, np.zeros(1))
+    >>> float(mom.shift[0]), round(float((mom.R @ mom.R.T)[0, 0]), 12)
     (0.5, 0.25)
+
+    A coordinate ``z = 1 / sigma`` (``log sigma = t``, the data's coordinate
+    fixed at 1) gets the moments of ``exp(-t)`` on the nodes:
+
+    >>> w = np.r_[0.5, np.full(8, 0.5 / 8)]
+    >>> am = am._replace(weights=w[None])
+    >>> ls = NODES.reshape(1, -1, 1).astype(float)
+    >>> mom = draw_moments(np.zeros((1, len(NODES), 1)), ls, am, np.ones(1))
+    >>> e = np.exp(-np.r_[0.0, AXIS_POINTS])
+    >>> bool(np.isclose(1.0 + mom.shift[0], w @ e))
+    True
     """
-    n = len(marginal.scales)
-    U = np.zeros((size, n))
-    for Ri, idx in zip(responses, flat_maps, strict=True):
-        U[np.asarray(idx).reshape(-1)] = np.asarray(Ri).reshape(-1, n)
+    fitted = np.asarray(fitted, dtype="float64")
+    n, size = mean_table.shape[0], mean_table.shape[-1]
     z = np.r_[0.0, AXIS_POINTS]
     order = [int(np.flatnonzero(NODES == zk)[0]) for zk in z]
-    shift = U @ marginal.mean_shift
-    A, R = np.zeros((size, n)), []
-    for j in range(n):
-        w = marginal.weights[j]
-        r = mean_table[j, order]  # (nodes, size)
-        r_mean = w @ r
-        shift = shift + r_mean
-        A[:, j] = (w * (z - w @ z)) @ r
-        R.append(np.sqrt(w)[:, None] * (r - r_mean))
-    B = U @ (np.asarray(marginal.directions) * marginal.scales)
-    return DrawMoments(shift, A, B, np.concatenate(R).T)
+    weights = np.asarray(marginal.weights)
+    n_grid = len(z) ** n
+    if n_grid * size <= MAX_MOMENT_GRID:
+        points = np.indices((len(z),) * n).reshape(n, -1).T  # (G, n) node indices
+        p = np.prod(weights[np.arange(n), points], axis=1)
+    else:
+        # points drawn axis by axis from the node weights, equally weighted
+        rng = np.random.default_rng(0)
+        m = int(MAX_MOMENT_GRID // size)
+        points = np.column_stack([rng.choice(len(z), size=m, p=weights[j]) for j in range(n)])
+        p = np.full(m, 1.0 / m)
+    M = sum(mean_table[j, np.asarray(order)[points[:, j]]] for j in range(n))
+    LS = sum(log_scale_table[j, np.asarray(order)[points[:, j]]] for j in range(n))
+    g = np.exp(-LS) * (fitted + M) - fitted  # (G, size)
+    shift = p @ g
+    gc = np.sqrt(p)[:, None] * (g - shift)
+    t = z[points]  # (G, n)
+    tc = t - p @ t
+    cross_t = gc.T @ (np.sqrt(p)[:, None] * tc)  # Cov(g, t), (size, n)
+    cross = cross_t @ (np.asarray(marginal.directions) * marginal.scales).T
+    if gc.shape[0] <= MAX_MOMENT_RANK:
+        R = gc.T
+    else:
+        _, sv, Vt = np.linalg.svd(gc, full_matrices=False)
+        keep = min(MAX_MOMENT_RANK, int(np.sum(sv > 1e-12 * max(sv[0], 1e-300))) or 1)
+        R = (Vt[:keep].T * sv[:keep]).copy()
+    return DrawMoments(shift, R, cross)
 
 
 def node_interpolation(t, table):

@@ -9,6 +9,7 @@ on the samples, ``approx.mean`` / ``std`` / ``cov`` and callbacks.
 
 from __future__ import annotations
 
+import contextlib
 from typing import NamedTuple
 
 import numpy as np
@@ -39,11 +40,14 @@ class ConditionalView(NamedTuple):
     sd_table : SharedVariable
         ``(n_h, len(NODES), ddim)`` log ratios of the conditional sds along q(h)'s
         axes: each draw's noise is scaled by them at its ``h``.
-    mean_table : SharedVariable
-        ``(n_h, len(NODES), ddim)`` departures of the conditional means from the
-        linear response (:func:`~pymc_mcssvi.algorithms.marginal.conditional_mean_table`).
+    mean_table, log_scale_table : SharedVariable
+        ``(n_h, len(NODES), ddim)`` each: the conditional means in the data's
+        coordinates and the log scales of those coordinates along q(h)'s axes
+        (:func:`~pymc_mcssvi.algorithms.marginal.conditional_mean_table`): a
+        draw's mean is ``exp(-LS(t)) (center + M(t))``.
     moments : DrawMoments
-        What the mean table adds to the draws' mean and covariance.
+        The mean part's moments: its mean, covariance and cross-covariance with
+        ``h`` (:func:`~pymc_mcssvi.algorithms.marginal.draw_moments`).
     moment_factors : list of SharedVariable
         Per segment, the factor of the scaled noise's covariance averaged over
         q(h): the own covariance ``std`` and ``cov`` report.
@@ -53,6 +57,7 @@ class ConditionalView(NamedTuple):
     factors: list
     sd_table: object
     mean_table: object
+    log_scale_table: object
     moments: object
     moment_factors: list
 
@@ -110,11 +115,11 @@ class StructuredGaussianGroup(Group):
     in the draws (by ``view.factors``) and in ``std`` and ``cov`` (by
     ``view.moment_factors``) while ``view.on`` is 1, scales each draw's noise
     by the conditional sds at its ``h`` (see
-    :func:`~pymc_mcssvi.algorithms.marginal.averaged_view_factors`) and adds
-    the departure of its mean (see
-    :func:`~pymc_mcssvi.algorithms.marginal.conditional_mean_table`); ``mean``
-    is the draws' (``center + moments.shift``), ``std`` and ``cov`` keep the
-    linear response's terms.
+    :func:`~pymc_mcssvi.algorithms.marginal.averaged_view_factors`) and
+    replaces the linear response of its mean by the conditional means (see
+    :func:`~pymc_mcssvi.algorithms.marginal.conditional_mean_table`); ``mean``,
+    ``std``, ``cov`` and ``cross_cov`` are then the draws' (see
+    :class:`~pymc_mcssvi.algorithms.marginal.DrawMoments`).
     """
 
     __param_spec__ = {"segment_means": ("d",), "segment_factors": ("d",)}
@@ -212,16 +217,19 @@ class StructuredGaussianGroup(Group):
         if resp is not None:
             hyper, pairs = resp
             h = hyper.symbolic_random - hyper.center[None, :]
+            linear = out + h @ self._response_matrix(hyper, pairs).T
             if self.view is not None and hyper.marginal is not None:
-                on = self.view.on
+                view = self.view
                 _, V, s, *_ = hyper.marginal
                 t = (h @ V) / s
-                scale = pt.exp(node_interpolation(t, self.view.sd_table))
                 centre = self.center[None, :]
-                out = centre + pt.switch(pt.eq(on, 1), scale, 1.0) * (out - centre)
-                mean_shift = node_interpolation(t, self.view.mean_table)
-                out = out + pt.switch(pt.eq(on, 1), mean_shift, 0.0)
-            out = out + h @ self._response_matrix(hyper, pairs).T
+                noise = pt.exp(node_interpolation(t, view.sd_table)) * (out - centre)
+                mean = pt.exp(-node_interpolation(t, view.log_scale_table)) * (
+                    centre + node_interpolation(t, view.mean_table)
+                )
+                out = pt.switch(pt.eq(view.on, 1), mean + noise, linear)
+            else:
+                out = linear
         if self.marginal is not None:
             on, V, s, T, _, _ = self.marginal
             skewed = self.center[None, :] + (s * table_transform(eps, T)) @ V.T
@@ -265,12 +273,12 @@ class StructuredGaussianGroup(Group):
         resp = self._responses()
         if resp is not None:
             U = self._response_matrix(*resp)
-            out = out + U @ resp[0].cov @ U.T
-        vm = self._view_moments()
-        if vm is not None:
-            on, m = vm
-            extra = m.A @ m.B.T + m.B @ m.A.T + m.R @ m.R.T
-            out = out + pt.switch(pt.eq(on, 1), extra, 0.0)
+            linear = U @ resp[0].cov @ U.T
+            vm = self._view_moments()
+            if vm is not None:
+                on, m = vm
+                linear = pt.switch(pt.eq(on, 1), m.R @ m.R.T, linear)
+            out = out + linear
         if self.marginal is not None:
             on, *_, cov = self.marginal
             out = pt.switch(pt.eq(on, 1), cov, out)
@@ -287,12 +295,12 @@ class StructuredGaussianGroup(Group):
         resp = self._responses()
         if resp is not None:
             U = self._response_matrix(*resp)
-            out = out + pt.sum((U @ resp[0].cov) * U, axis=-1)
-        vm = self._view_moments()
-        if vm is not None:
-            on, m = vm
-            extra = 2.0 * pt.sum(m.A * m.B, axis=-1) + pt.sum(m.R**2, axis=-1)
-            out = out + pt.switch(pt.eq(on, 1), extra, 0.0)
+            linear = pt.sum((U @ resp[0].cov) * U, axis=-1)
+            vm = self._view_moments()
+            if vm is not None:
+                on, m = vm
+                linear = pt.switch(pt.eq(on, 1), pt.sum(m.R**2, axis=-1), linear)
+            out = out + linear
         if self.marginal is not None:
             on, *_, cov = self.marginal
             out = pt.switch(pt.eq(on, 1), pt.diagonal(cov), out)
@@ -307,8 +315,7 @@ class StructuredGaussianGroup(Group):
         vm = self._view_moments()
         if vm is not None and other.marginal is not None:
             on, m = vm
-            _, V, s, *_ = other.marginal
-            out = out + pt.switch(pt.eq(on, 1), (m.A * s) @ V.T, 0.0)
+            out = pt.switch(pt.eq(on, 1), m.cross, out)
         return out
 
     @node_property
@@ -416,6 +423,9 @@ class StructuredApproximation(Approximation):
         #: first :meth:`sample`.
         self.conditional_factories: list = []
         self._conditional: list | None = None
+        #: The model's data containers and shared dim lengths with their values at the
+        #: end of the fit (see :meth:`fitted_data`).
+        self.fitted_data_values: dict = {}
 
     @property
     def ordering(self):
@@ -495,14 +505,39 @@ class StructuredApproximation(Approximation):
         order = [v.name for v in self.model.value_vars]
 
         def ordered(draws=100, *, random_seed=None):
-            out = inner(draws, random_seed=random_seed)
-            samplers = self._conditional_samplers()
-            seeds = conditional_seeds(random_seed, len(samplers))
-            for draw, child in zip(samplers, seeds, strict=True):
-                out.update(draw(out, random_seed=child))
+            with self.fitted_data():
+                out = inner(draws, random_seed=random_seed)
+                samplers = self._conditional_samplers()
+                seeds = conditional_seeds(random_seed, len(samplers))
+                for draw, child in zip(samplers, seeds, strict=True):
+                    out.update(draw(out, random_seed=child))
             return {name: out[name] for name in order if name in out}
 
         return ordered
+
+    @contextlib.contextmanager
+    def fitted_data(self):
+        """The model's data as it was fitted, for the duration of the block.
+
+        The draws of q(w | h) re-fitted at each hyperparameter draw, of the
+        linear-response view and of integrated-out locals are computed from the
+        model's graph, which reads its ``pm.Data`` containers. After
+        ``pm.set_data`` (new predictors for out-of-sample predictions) they
+        would condition on the new data (a placeholder ``y = 0`` moved a group
+        mean by 3.5), or fail on its new length; ``approx.sample()`` is the
+        posterior of the fitted data, as with ``pm.ADVI``.
+        """
+        changed = {}
+        for var, value in self.fitted_data_values.items():
+            now = var.get_value(borrow=True)
+            if np.shape(now) != np.shape(value) or not np.array_equal(now, value):
+                changed[var] = now
+                var.set_value(value, borrow=True)
+        try:
+            yield
+        finally:
+            for var, now in changed.items():
+                var.set_value(now, borrow=True)
 
     def _conditional_samplers(self):
         if self._conditional is None or len(self._conditional) != len(self.conditional_factories):

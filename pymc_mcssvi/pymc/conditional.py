@@ -1,7 +1,7 @@
 """Draws of the Gaussian globals from q(w | h) re-fitted at each draw of the hyperparameters.
 
 The linear-response view draws ``w | h`` from one Gaussian moved along ``h``:
-the mean by the linear response plus a table along q(h)'s axes
+the mean by tables along q(h)'s axes
 (:func:`~pymc_mcssvi.algorithms.marginal.conditional_mean_table`), the
 covariance averaged over the profile points and scaled per coordinate
 (:func:`~pymc_mcssvi.algorithms.marginal.averaged_view_factors`). With few
@@ -160,12 +160,20 @@ class ConditionalGlobals:
             if k.hypers.spec.fixed_shapes:
                 outputs = shapes_at_fixed(inputs, outputs)
             batched = [
-                pt.tensor(v.name, dtype=v.dtype, shape=(None, *v.type.shape)) for v in inputs
+                # from the type: pt.tensor tries a name as a dtype first, and raises on
+                # Bambi's ("1|g_sigma_log__")
+                pt.TensorType(v.dtype, shape=(None, *v.type.shape))(name=v.name)
+                for v in inputs
             ]
             outs = vectorize_graph(outputs, dict(zip(inputs, batched, strict=True)))
             with self.model:
                 fn = pm_compile(
-                    batched, outs, mode=python_few_calls_mode(), on_unused_input="ignore"
+                    batched,
+                    outs,
+                    mode=python_few_calls_mode(),
+                    on_unused_input="ignore",
+                    # float64 draws into a floatX=float32 model's value variables
+                    allow_input_downcast=True,
                 )
         nseg = k.nseg
 

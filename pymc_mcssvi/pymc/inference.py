@@ -39,7 +39,6 @@ from pymc_mcssvi.algorithms.hyperparameters import (
 )
 from pymc_mcssvi.algorithms.kernel import MAX_COUPLED_HYPERS, StepKernel
 from pymc_mcssvi.algorithms.marginal import (
-    AXIS_POINTS,
     EPS_GRID,
     HESSIAN_STEP,
     MAX_CORRECTED_HYPERS,
@@ -52,6 +51,7 @@ from pymc_mcssvi.algorithms.marginal import (
     conditional_mean_table,
     draw_moments,
     refit_graph,
+    refit_log_scales,
 )
 from pymc_mcssvi.algorithms.mcssvi import MCSSVIStep
 from pymc_mcssvi.algorithms.optimizers import make_optimizer
@@ -702,16 +702,18 @@ class StructuredVI(Inference):
                 pytensor.shared(
                     np.zeros((k.hypers.spec.size, len(NODES), n_w)), name="conditional_view_mean"
                 ),
+                pytensor.shared(
+                    np.zeros((k.hypers.spec.size, len(NODES), n_w)),
+                    name="conditional_view_log_scale",
+                ),
                 DrawMoments(
                     pytensor.shared(np.zeros(n_w), name="conditional_view_mean_shift"),
-                    *[
-                        pytensor.shared(np.zeros((n_w, n_h)), name=f"conditional_view_{name}")
-                        for name, n_h in (
-                            ("A", k.hypers.spec.size),
-                            ("B", k.hypers.spec.size),
-                            ("R", k.hypers.spec.size * (1 + len(AXIS_POINTS))),
-                        )
-                    ],
+                    pytensor.shared(
+                        np.zeros((n_w, 1)), name="conditional_view_R", shape=(n_w, None)
+                    ),
+                    pytensor.shared(
+                        np.zeros((n_w, k.hypers.spec.size)), name="conditional_view_cross"
+                    ),
                 ),
                 [
                     pytensor.shared(f.get_value(), name=f"conditional_view_moment_factor_{s}")
@@ -1039,6 +1041,7 @@ class StructuredVI(Inference):
                 if lc.kind == "gaussian"
             ]
         self.approx.conditional_factories = factories
+        self.approx.fitted_data_values = _data_values(self.model)
         self.approx._conditional = None
         if self.tlm.locals:
             with graph_building():
@@ -1102,19 +1105,34 @@ class StructuredVI(Inference):
             return
         view = self._view
         n_w = view.mean_table.get_value(borrow=True).shape[-1]
-        mean_table = conditional_mean_table(refits, means, responses, V, s, self._flat_maps, n_w)
+        factors = [f.get_value() for f in self.kernel.base_factor]
+        work = sum(f.shape[0] * f.shape[-1] ** 3 for f in factors)
+        # the data's coordinates need the re-fits' covariances (as the averaged view does)
+        view_affordable = work <= MAX_VIEW_WORK
+        log_scales = refit_log_scales(refits) if view_affordable else None
+        mean_table, log_table = conditional_mean_table(
+            refits,
+            means,
+            V,
+            s,
+            self._flat_maps,
+            n_w,
+            refit_log_scales(refits, means=True) if view_affordable else None,
+        )
         view.mean_table.set_value(mean_table)
-        moments = draw_moments(mean_table, am, responses, self._flat_maps, n_w)
+        view.log_scale_table.set_value(log_table)
+        fitted = np.zeros(n_w)
+        for m, idx in zip(means, self._flat_maps, strict=True):
+            fitted[idx.reshape(-1)] = m.reshape(-1)
+        moments = draw_moments(mean_table, log_table, am, fitted)
         for shared, value in zip(view.moments, moments, strict=True):
             shared.set_value(value)
         table = np.zeros(view.sd_table.get_value(borrow=True).shape)
-        factors = [f.get_value() for f in self.kernel.base_factor]
         moment_factors = factors
-        work = sum(f.shape[0] * f.shape[-1] ** 3 for f in factors)
-        if work <= MAX_VIEW_WORK:
+        if view_affordable:
             with np.errstate(all="ignore"):
                 averaged = averaged_view_factors(
-                    am.weights, [r.factors for r in refits], [r.sensitivity for r in refits]
+                    am.weights, [r.factors for r in refits], log_scales
                 )
             if averaged is None:
                 logger.info("Conditional covariance of q(w) not averaged: not positive definite")
@@ -1260,6 +1278,14 @@ class StructuredVI(Inference):
         # smaller tol is honoured near ELBO = 0 and for tight checks (tol=1e-12)
         limit = tol * (abs(scores[-1]) + 10.0)
         return all(abs(g) <= limit for g in gains[-k:])
+
+
+def _data_values(model) -> dict:
+    """Copies of the values of a model's shared data containers and dim lengths."""
+    shared = list(model.data_vars) + [
+        v for v in model.dim_lengths.values() if isinstance(v, pytensor.compile.SharedVariable)
+    ]
+    return {v: np.array(v.get_value(borrow=True), copy=True) for v in dict.fromkeys(shared)}
 
 
 class MCSSVI(StructuredVI):

@@ -23,6 +23,7 @@ import functools
 import numpy as np
 import pytensor
 import pytensor.tensor as pt
+from pymc.logprob.utils import local_check_parameter_to_ninf_switch
 from pytensor.compile.mode import Mode, get_mode
 from pytensor.graph.rewriting.basic import in2out, node_rewriter
 from pytensor.graph.rewriting.db import RewriteDatabaseQuery
@@ -292,7 +293,11 @@ def python_few_calls_mode() -> Mode:
     >>> np.allclose(fn(np.array([-800.0, 0.0, 800.0])), [0.0, np.log(2.0), 800.0])
     True
     """
-    return Mode(
-        linker=python_linker(),
-        optimizer=RewriteDatabaseQuery(include=["merge"]),
-    ).register((in2out(*UFUNC_REWRITES, name="ufunc_rewrites"), 48.5))
+    return (
+        Mode(linker=python_linker(), optimizer=RewriteDatabaseQuery(include=["merge"]))
+        .register((in2out(*UFUNC_REWRITES, name="ufunc_rewrites"), 48.5))
+        # PyMC's parameter checks (``sigma > 0``) return -inf instead of raising, as in
+        # every PyMC function (that rewrite lives in canonicalize, which is skipped here):
+        # a step whose candidate q(h) puts a scale at 0 is then rejected, not fatal
+        .register((in2out(local_check_parameter_to_ninf_switch), 1))
+    )

@@ -239,3 +239,101 @@ def test_seeded_conditional_draws_are_independent_of_the_hyperparameter_draws(hy
     np.testing.assert_allclose(draws.std(1), sd, rtol=0.1)
     corr = np.corrcoef(draws)[0, 1]
     assert abs(corr - cov[0, 1] / (sd[0] * sd[1])) < 0.02, corr
+
+
+def _grouped_normal(rng, G=8, N=160):
+    g = np.concatenate([np.arange(G), rng.integers(0, G, N - G)])
+    x = rng.normal(size=N)
+    y = 1.0 + 0.5 * x + rng.normal(0, 0.6, G)[g] + rng.normal(0, 0.7, N)
+    return g, x, y
+
+
+def test_sample_after_set_data_is_the_posterior_of_the_fitted_data():
+    """``approx.sample()`` re-fits q(w | h) per draw from the model's graph, which reads the
+    ``pm.Data`` containers: after ``pm.set_data`` with a placeholder ``y`` the draws were
+    conditioned on it (group means moved by 3.5), and a new length raised a broadcasting
+    error. PyMC's ADVI draws do not depend on the data; ours do not either now."""
+    g, x, y = _grouped_normal(np.random.default_rng(0))
+    with pm.Model() as m:
+        xd = pm.Data("x", x)
+        gd = pm.Data("g", g)
+        yd = pm.Data("y_obs", y)
+        b0 = pm.Normal("b0", 0, 5)
+        b1 = pm.Normal("b1", 0, 5)
+        sd = pm.HalfNormal("sd", 1)
+        a = pm.Normal("a", 0, sd, shape=8)
+        sigma = pm.HalfNormal("sigma", 1)
+        pm.Normal("y", b0 + b1 * xd + a[gd], sigma, observed=yd, shape=xd.shape[0])
+        approx = pm.fit(method="hmcssvi", random_seed=1, progressbar=False)
+    before = approx.sample(500, random_seed=3).posterior
+    new_x = np.linspace(-2, 2, 40)
+    with m:
+        pm.set_data({"x": new_x, "g": np.arange(40) % 8, "y_obs": np.zeros(40)})
+    after = approx.sample(500, random_seed=3).posterior
+    for name in ("b0", "b1", "sd", "a", "sigma"):
+        np.testing.assert_array_equal(after[name].values, before[name].values)
+    # the data stay the new ones for predictions
+    np.testing.assert_array_equal(m["x"].get_value(), new_x)
+    with m:
+        pp = pm.sample_posterior_predictive(after, progressbar=False, random_seed=4)
+    assert pp.posterior_predictive["y"].shape[-1] == 40
+
+
+def test_names_that_are_not_dtypes_sample():
+    """Bambi's names (``1|g_sigma``): the per-draw re-fit's inputs are named after the value
+    variables, and ``pt.tensor(name)`` first tries a name as a dtype (NumPy raised
+    ``ValueError: format number 1 of "1|g_sigma_log__" is not recognized``)."""
+    g, x, y = _grouped_normal(np.random.default_rng(1))
+    with pm.Model(coords={"1|g__factor_dim": np.arange(8)}):
+        intercept = pm.Normal("Intercept", 0, 2.5)
+        sd = pm.HalfNormal("1|g_sigma", 2.5)
+        off = pm.Normal("1|g_offset", 0, 1, dims="1|g__factor_dim")
+        eff = pm.Deterministic("1|g", off * sd, dims="1|g__factor_dim")
+        sigma = pm.HalfNormal("sigma", 1)
+        pm.Normal("y", intercept + eff[g], sigma, observed=y)
+        approx = pm.fit(method="hmcssvi", random_seed=1, progressbar=False)
+    post = approx.sample(200, random_seed=2).posterior
+    assert np.all(np.isfinite(post["1|g"].values))
+
+
+def test_float32_model_samples():
+    """``floatX=float32``: the per-draw re-fit got float64 draws for float32 inputs (TypeError)."""
+    import pytensor
+
+    g, x, y = _grouped_normal(np.random.default_rng(2))
+    with pytensor.config.change_flags(floatX="float32"):
+        with pm.Model():
+            b0 = pm.Normal("b0", 0, 5)
+            sd = pm.HalfNormal("sd", 1)
+            a = pm.Normal("a", 0, sd, shape=8)
+            pm.Bernoulli("y", logit_p=b0 + a[g], observed=(y > 1).astype(int))
+            approx = pm.fit(method="hmcssvi", random_seed=1, progressbar=False)
+        post = approx.sample(200, random_seed=2).posterior
+    assert np.all(np.isfinite(post["a"].values))
+
+
+def test_mixture_with_a_scale_per_component_fits():
+    """A two-component regression mixture with one HalfNormal sigma per component: the
+    merged-only first compilation of the step kept PyMC's parameter checks, so a candidate
+    q(h) with a scale at 0 raised ``ParameterValueError: sigma > 0`` instead of being
+    rejected."""
+    import pytensor.tensor as pt
+
+    rng = np.random.default_rng(33)
+    x = rng.normal(size=600)
+    comp = rng.uniform(size=600) < 0.7
+    y = np.where(comp, 1.0 + 1.5 * x, -1.0 - 0.5 * x) + rng.normal(0, 0.5, 600)
+    with pm.Model():
+        w = pm.Dirichlet("w", a=np.ones(2))
+        a = pm.Normal(
+            "a", 0, 3, shape=2, transform=pm.distributions.transforms.ordered, initval=[-1.0, 1.0]
+        )
+        b = pm.Normal("b", 0, 2, shape=2)
+        sigma = pm.HalfNormal("sigma", 1, shape=2)
+        mu = pt.stack([a[0] + b[0] * x, a[1] + b[1] * x], axis=-1)
+        pm.NormalMixture("y", w=w, mu=mu, sigma=sigma, observed=y)
+        approx = pm.fit(method="hmcssvi", random_seed=1, progressbar=False)
+    assert approx.converged
+    post = approx.sample(500, random_seed=2).posterior
+    np.testing.assert_allclose(post["b"].mean(("chain", "draw")), [-0.5, 1.5], atol=0.15)
+    np.testing.assert_allclose(post["sigma"].mean(("chain", "draw")), [0.5, 0.5], atol=0.1)

@@ -73,6 +73,7 @@ from pymc_mcssvi.pymc.approximation import (
 from pymc_mcssvi.pymc.conditional import ConditionalGlobals
 from pymc_mcssvi.pymc.locals import (
     LocalGroup,
+    LocalMoments,
     conditional_local_sampler,
     initial_local_params,
     local_posteriors,
@@ -1033,9 +1034,15 @@ class StructuredVI(Inference):
             # step does not pickle): a fitted approximation pickles as PyMC's do
             factories.append(lambda: conditional_globals)
         if self.tlm.locals:
+            if getattr(self, "_local_moments", None) is None:
+                self._local_moments = {
+                    lc.name: LocalMoments(self.model, lc, self.tlm.locals)
+                    for lc in self.tlm.locals
+                    if lc.kind == "gaussian"
+                }
             factories += [
                 functools.partial(
-                    conditional_local_sampler, self.model, lc, self.tlm.locals, self._local_params
+                    conditional_local_sampler, lc, self._local_params, self._local_moments[lc.name]
                 )
                 for lc in self.tlm.locals
                 if lc.kind == "gaussian"
@@ -1045,7 +1052,13 @@ class StructuredVI(Inference):
         self.approx._conditional = None
         if self.tlm.locals:
             with graph_building():
-                local_posteriors(self.model, self.approx, self.tlm.locals, self._local_params)
+                local_posteriors(
+                    self.model,
+                    self.approx,
+                    self.tlm.locals,
+                    self._local_params,
+                    self._local_moments,
+                )
             self.approx.marginal_locals = [lc.name for lc in self.tlm.locals]
         return self.approx
 

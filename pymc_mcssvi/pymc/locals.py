@@ -153,13 +153,53 @@ BATCH_ELEMENTS = 2_000_000
 
 def _over_draws(values, outputs, summed):
     """``outputs`` (graphs of ``values``) vectorized over a leading draws axis and
-    compiled, summed over that axis if ``summed``; and the number of draws per call
-    that keeps a batch near :data:`BATCH_ELEMENTS` (``per_draw -> draws``)."""
-    batched = [pt.tensor(dtype=v.dtype, shape=(None, *v.type.shape), name=v.name) for v in values]
+    compiled, summed over that axis if ``summed``.
+
+    FAST_COMPILE: with merging only (as the profile's re-fits) the 200 draws of a
+    48-row Binomial GLMM's locals took 7.7 s instead of 2.9 s.
+    """
+    batched = [pt.TensorType(v.dtype, shape=(None, *v.type.shape))(name=v.name) for v in values]
     outs = vectorize_graph(outputs, dict(zip(values, batched, strict=True)))
     if summed:
         outs = [pt.sum(o, axis=0) for o in outs]
-    return pytensor.function(batched, outs, mode="FAST_COMPILE", on_unused_input="ignore")
+    return pytensor.function(
+        batched,
+        outs,
+        mode="FAST_COMPILE",
+        on_unused_input="ignore",
+        allow_input_downcast=True,
+    )
+
+
+class LocalMoments:
+    """The compiled ``draws of the other free variables -> (mean, second moment)`` of a
+    Gaussian local given them (:func:`_gaussian_local_moments`, vectorized over the
+    draws), compiled on first use and shared by :func:`local_posteriors` and
+    :func:`conditional_local_sampler`.
+
+    Attributes
+    ----------
+    names : list of str
+        Value names of the other free variables, in the function's input order.
+    """
+
+    def __init__(self, model, lc, locals_, n_inner=None):
+        self.model, self.lc = model, lc
+        self.n_inner = LOCAL_NODES if n_inner is None else n_inner
+        local_rvs = {x.rv for x in locals_}
+        self.values = [model.rvs_to_values[rv] for rv in model.free_RVs if rv not in local_rvs]
+        self.names = [v.name for v in self.values]
+        self._fn = None
+
+    def __getstate__(self):
+        """Pickled without the compiled function (compiled again on first use)."""
+        return {**self.__dict__, "_fn": None}
+
+    def __call__(self, *args):
+        if self._fn is None:
+            outputs = list(_gaussian_local_moments(self.model, self.lc, self.n_inner))
+            self._fn = _over_draws(self.values, outputs, summed=False)
+        return self._fn(*args)
 
 
 def _batch_draws(per_draw: int) -> int:
@@ -205,22 +245,18 @@ def _gaussian_local_moments(model, lc, n_inner):
     return pt.sum(wts * nodes, axis=0), pt.sum(wts * pt.square(nodes), axis=0)
 
 
-def conditional_local_sampler(model, lc, locals_, params, n_inner=LOCAL_NODES):
+def conditional_local_sampler(lc, params, moments: LocalMoments):
     """``samples -> {name: draws}`` replacing Gaussian local ``lc``'s marginal draws by
     draws given the globals of the same draw.
 
     The returned function takes the dict of draws by value-variable name (as
     ``approx.sample_dict_fn`` gives them, and an unused ``random_seed``) and
     returns ``lc``'s new draws: the conditional mean plus the conditional sd
-    times the standard normal deviate of the marginal draw.
+    (``moments``) times the standard normal deviate of the marginal draw.
     """
-    local_rvs = {x.rv for x in locals_}
-    others = [rv for rv in model.free_RVs if rv not in local_rvs]
-    values = [model.rvs_to_values[rv] for rv in others]
-    names = [v.name for v in values]
-    fn = _over_draws(values, list(_gaussian_local_moments(model, lc, n_inner)), summed=False)
+    fn, names = moments, moments.names
     n = int(np.prod(lc.shape)) if len(lc.shape) else 1
-    size = _batch_draws(n_inner * n)
+    size = _batch_draws(moments.n_inner * n)
     name = lc.value.name
 
     def draw(samples, random_seed=None):
@@ -239,8 +275,9 @@ def conditional_local_sampler(model, lc, locals_, params, n_inner=LOCAL_NODES):
     return draw
 
 
-def local_posteriors(model, approx, locals_, params, draws=200, n_inner=LOCAL_NODES, random_seed=0):
-    """Fill ``params`` with the marginal posteriors of the locals under ``approx``."""
+def local_posteriors(model, approx, locals_, params, moments, draws=200, random_seed=0):
+    """Fill ``params`` with the marginal posteriors of the locals under ``approx``
+    (``moments``: the Gaussian locals' :class:`LocalMoments` by name)."""
     others = [rv for rv in model.free_RVs if rv not in {lc.rv for lc in locals_}]
     names = [model.rvs_to_values[rv].name for rv in others]
     sample_fn = approx.sample_dict_fn
@@ -265,8 +302,12 @@ def local_posteriors(model, approx, locals_, params, draws=200, n_inner=LOCAL_NO
             probs = np.asarray(acc).reshape(lc.support, -1).T
             params[lc.name]["probs"].set_value(probs / probs.sum(axis=1, keepdims=True))
         else:
-            m1, m2 = _gaussian_local_moments(model, lc, n_inner)
-            mean, second = _draw_average(values, [m1, m2], samples, names, draws, n_inner * n)
-            mean, second = np.asarray(mean), np.asarray(second)
+            fn = moments[lc.name]
+            size = _batch_draws(fn.n_inner * n)
+            mean, second = 0.0, 0.0
+            for lo in range(0, draws, size):
+                m1, m2 = fn(*[np.asarray(samples[nm][lo : lo + size]) for nm in fn.names])
+                mean, second = mean + m1.sum(0), second + m2.sum(0)
+            mean, second = mean / draws, second / draws
             params[lc.name]["mean"].set_value(mean)
             params[lc.name]["sd"].set_value(np.sqrt(np.maximum(second - mean**2, 0.0)))

@@ -246,7 +246,7 @@ def test_local_posterior_moments_average_the_exact_conditionals():
     try:
         L.BATCH_ELEMENTS = 3 * 40 * N  # batches of 3 draws, the last one shorter
         with m:
-            L.local_posteriors(m, approx, inf.tlm.locals, inf._local_params)
+            L.local_posteriors(m, approx, inf.tlm.locals, inf._local_params, inf._local_moments)
     finally:
         L.BATCH_ELEMENTS = batch
     np.testing.assert_allclose(p["mean"].get_value(), want_mean, rtol=1e-7, atol=1e-9)

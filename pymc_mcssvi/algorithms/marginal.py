@@ -47,7 +47,9 @@ __all__ = [
     "AxisMarginal",
     "NODES",
     "averaged_view_factors",
-    "refit_log_scales",
+    "DataCoordinates",
+    "SENSITIVITY_FLOOR",
+    "data_coordinates",
     "sensitivity_log_scales",
     "axis_marginal",
     "ConditionalProfile",
@@ -492,23 +494,22 @@ def averaged_view_factors(weights, factors, log_scales=None):
         turn), per segment, the ``(R, K, K)`` lower precision Cholesky factors.
     log_scales : list of list of np.ndarray, optional
         At the same points, per segment, the ``(R, K)`` log column norms of the
-        predictor's Jacobian relative to the centre's (:func:`refit_log_scales`);
+        predictor's Jacobian relative to the centre's (:func:`data_coordinates`);
         ``None`` averages the covariances as they are.
 
     Returns
     -------
-    (list of np.ndarray, list of np.ndarray, list of np.ndarray) or None
+    (list of np.ndarray, list of np.ndarray) or None
         Per segment: the lower Cholesky factor of the inverse averaged
-        covariance (the draws' noise, before scaling); the log ratios of
-        ``sd(w | h)`` at :data:`NODES` along each axis, ``(n, len(NODES), R,
-        K)``, whose sum over the axes at a draw's coordinates scales its noise
-        (``log(sd(w | h) / sd_avg)``: relative to the centre on each axis, axis
-        0 carrying ``log(sd_centre / sd_avg)``); and the lower Cholesky factor
-        of the inverse of the scaled noise's covariance averaged over the axis
-        marginal (``E[exp(T_i + T_l)] S_il``, independent axes: the
-        covariance ``std`` and ``cov`` report). ``None`` when a result is not
-        positive definite or not finite. Axes combine additively around the
-        centre: ``S_c + sum_j (E_j[S] - S_c)``.
+        covariance (in the data's coordinates: the draws' noise before
+        scaling), and the log ratios of the data coordinates' conditional sds
+        at :data:`NODES` along each axis, ``(n, len(NODES), R, K)``, relative to
+        the centre (axis 0 also carrying ``log(sd_centre / sd_avg)``): a draw's
+        noise is that factor's, scaled by ``exp(sum_j T_j(t_j) - LS(h))`` with
+        ``LS(h)`` the log scales of the data's coordinates at the draw
+        (:func:`noise_moment_factors` gives the covariance of the result).
+        ``None`` when a result is not positive definite or not finite. Axes
+        combine additively around the centre: ``S_c + sum_j (E_j[S] - S_c)``.
 
     Examples
     --------
@@ -518,30 +519,27 @@ def averaged_view_factors(weights, factors, log_scales=None):
     >>> import numpy as np
     >>> w = np.r_[0.5, np.full(8, 0.5 / 8)][None]
     >>> f = [[np.ones((1, 1, 1))]] + [[np.full((1, 1, 1), 0.5)]] * 8
-    >>> L, log_ratio, L_mom = averaged_view_factors(w, f)
+    >>> L, log_ratio = averaged_view_factors(w, f)
     >>> var = lambda L: round(float(1 / L[0][0, 0, 0] ** 2), 12)
-    >>> var(L), round(float(np.exp(2 * log_ratio[0][0, 4, 0, 0])), 12), var(L_mom)
-    (2.5, 0.4, 2.5)
+    >>> var(L), round(float(np.exp(2 * log_ratio[0][0, 4, 0, 0])), 12)
+    (2.5, 0.4)
 
     A non-centered ``z`` whose scale is twice the centre's at every other point:
     its squared column norm is 4x and its conditional variance 1/4 there. The
-    data see one variance throughout, so the average is the centre's, and the
-    variances along the axis are the re-fits' own (their average, 0.625, is
-    what ``std`` reports).
+    data see one variance throughout, so the average is the centre's, and so
+    are the data coordinate's sds along the axis.
 
     >>> f = [[np.ones((1, 1, 1))]] + [[np.full((1, 1, 1), 2.0)]] * 8
     >>> ls = [[np.zeros((1, 1))]] + [[np.full((1, 1), np.log(2.0))]] * 8
-    >>> L, log_ratio, L_mom = averaged_view_factors(w, f, ls)
-    >>> var(L), round(float(np.exp(2 * log_ratio[0][0, 5, 0, 0])), 12), var(L_mom)
-    (1.0, 0.25, 0.625)
+    >>> L, log_ratio = averaged_view_factors(w, f, ls)
+    >>> var(L), round(float(np.exp(2 * log_ratio[0][0, 5, 0, 0])), 12)
+    (1.0, 1.0)
     """
     n, per_axis = weights.shape[0], weights.shape[1] - 1
     if len(factors) != 1 + n * per_axis:
         raise ValueError(f"expected {1 + n * per_axis} profile points, got {len(factors)}")
     centre_at = int(np.flatnonzero(NODES == 0.0)[0])
-    # NODES positions of the weights' points (the centre, then AXIS_POINTS)
-    at_weights = [centre_at, *(int(np.flatnonzero(NODES == z)[0]) for z in AXIS_POINTS)]
-    out, ratios, moments = [], [], []
+    out, ratios = [], []
     for s in range(len(factors[0])):
         covs = [_block_covariance(f[s]) for f in factors]
         seg_scales = (
@@ -569,11 +567,7 @@ def averaged_view_factors(weights, factors, log_scales=None):
         except np.linalg.LinAlgError:
             return None
         var_avg = np.diagonal(avg, axis1=-2, axis2=-1)
-        # sd(w | h) relative to the centre's, back in w's coordinates
-        log_sds = [
-            0.5 * np.log(np.diagonal(c, axis1=-2, axis2=-1)) - ls
-            for c, ls in zip(covs, seg_scales, strict=True)
-        ]
+        log_sds = [0.5 * np.log(np.diagonal(c, axis1=-2, axis2=-1)) for c in covs]
         ratio = np.empty((n, len(NODES), *var_avg.shape))
         for j in range(n):
             along = log_sds[1 + j * per_axis : 1 + (j + 1) * per_axis]
@@ -581,23 +575,151 @@ def averaged_view_factors(weights, factors, log_scales=None):
             ratio[j] = np.stack(along) - log_sds[0]
         # the axes multiply the centre's sd; the average over them is the averaged sd
         ratio[0] += log_sds[0] - 0.5 * np.log(var_avg)
-        scaled = avg.copy()
-        for j in range(n):
-            e = np.exp(ratio[j][at_weights])
-            scaled *= np.einsum("k,k...i,k...l->...il", weights[j], e, e)
-        try:
-            prec = np.linalg.inv(scaled)
-            L_mom = np.linalg.cholesky(0.5 * (prec + np.swapaxes(prec, -1, -2)))
-        except np.linalg.LinAlgError:
-            return None
-        if not (
-            np.all(np.isfinite(L)) and np.all(np.isfinite(ratio)) and np.all(np.isfinite(L_mom))
-        ):
+        if not (np.all(np.isfinite(L)) and np.all(np.isfinite(ratio))):
             return None
         out.append(L)
         ratios.append(ratio)
-        moments.append(L_mom)
-    return out, ratios, moments
+    return out, ratios
+
+
+class MomentGrid(NamedTuple):
+    """Points of the axis marginal where the draws' moments are computed.
+
+    Attributes
+    ----------
+    nodes : np.ndarray
+        ``(G, n)`` positions in :data:`NODES` of each point's axis coordinates.
+    t : np.ndarray
+        ``(G, n)`` the coordinates (in sds along q(h)'s axes).
+    h : np.ndarray
+        ``(G, n_h)`` the hyperparameters there (``centre + V diag(s) t``).
+    p : np.ndarray
+        ``(G,)`` weights (products of the axes' node weights, summing to 1).
+    """
+
+    nodes: np.ndarray
+    t: np.ndarray
+    h: np.ndarray
+    p: np.ndarray
+
+
+#: Largest number of grid points times coordinates of :func:`moment_grid`'s full grid
+#: (above it, points are drawn from the grid's weights).
+MAX_MOMENT_GRID = 2e7
+#: Largest rank of ``R`` in :class:`DrawMoments`.
+MAX_MOMENT_RANK = 729
+
+
+def moment_grid(marginal: AxisMarginal, centre_h, size: int) -> MomentGrid:
+    """The tensor grid of the axis marginal's nodes (independent axes), or equally
+    weighted draws from it when ``9^n`` points times ``size`` coordinates exceed
+    :data:`MAX_MOMENT_GRID`.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> am = AxisMarginal(np.eye(2), np.ones(2), None, np.zeros(2), None, None,
+    ...                   np.tile(np.r_[0.5, np.full(8, 0.5 / 8)], (2, 1)))
+    >>> grid = moment_grid(am, np.zeros(2), 3)
+    >>> grid.p.shape, round(float(grid.p.sum()), 12), float(grid.p.max())
+    ((81,), 1.0, 0.25)
+    """
+    z = np.r_[0.0, AXIS_POINTS]
+    order = np.array([int(np.flatnonzero(NODES == zk)[0]) for zk in z])
+    weights = np.asarray(marginal.weights)
+    n = weights.shape[0]
+    if len(z) ** n * size <= MAX_MOMENT_GRID:
+        points = np.indices((len(z),) * n).reshape(n, -1).T
+        p = np.prod(weights[np.arange(n), points], axis=1)
+    else:
+        rng = np.random.default_rng(0)
+        m = int(max(MAX_MOMENT_GRID // max(size, 1), 1))
+        points = np.column_stack([rng.choice(len(z), size=m, p=weights[j]) for j in range(n)])
+        p = np.full(m, 1.0 / m)
+    t = z[points]
+    h = np.asarray(centre_h) + (t * marginal.scales) @ np.asarray(marginal.directions).T
+    return MomentGrid(order[points], t, h, p)
+
+
+def node_table_points(marginal: AxisMarginal, centre_h) -> np.ndarray:
+    """``(len(NODES)^n, n_h)``: the hyperparameters at every point of the tensor grid of
+    :data:`NODES` along q(h)'s axes, in row-major order (the rows of the tables
+    :func:`grid_interpolation` reads)."""
+    n = len(marginal.scales)
+    t = NODES[np.indices((len(NODES),) * n).reshape(n, -1).T]
+    return np.asarray(centre_h) + (t * marginal.scales) @ np.asarray(marginal.directions).T
+
+
+def grid_interpolation(t, table, n: int):
+    """Multilinear interpolation of ``table`` (rows: the tensor grid of :data:`NODES`
+    along the ``n`` axes, row-major, see :func:`node_table_points`) at the axis
+    coordinates ``t`` (``(draws, n)``, constant beyond the grid), symbolic.
+
+    Examples
+    --------
+    >>> import numpy as np, pytensor.tensor as pt
+    >>> pts = NODES[np.indices((9, 9)).reshape(2, -1).T]
+    >>> table = (pts[:, 0] * pts[:, 1] + pts[:, 0])[:, None]  # bilinear: exact
+    >>> t = np.array([[0.3, -1.7], [2.5, 3.25]])
+    >>> out = grid_interpolation(pt.as_tensor(t), pt.as_tensor(table), 2).eval()
+    >>> bool(np.allclose(out[:, 0], t[:, 0] * t[:, 1] + t[:, 0]))
+    True
+    """
+    k = len(NODES)
+    pos = pt.clip(t, NODES[0], NODES[-1]) - NODES[0]
+    i = pt.clip(pt.floor(pos), 0, k - 2).astype("int64")
+    frac = pos - i
+    out = 0.0
+    for corner in np.ndindex(*(2,) * n):
+        idx = 0
+        weight = 1.0
+        for j, c in enumerate(corner):
+            idx = idx * k + i[:, j] + c
+            weight = weight * (frac[:, j] if c else 1.0 - frac[:, j])
+        # clipped: a placeholder table (view not computed, its branch unused) has one row
+        out = out + weight[:, None] * table[pt.minimum(idx, table.shape[0] - 1)]
+    return out
+
+
+def noise_moment_factors(factors, sd_tables, grid: MomentGrid, log_scales, flat_maps):
+    """Per segment, the lower Cholesky factor of the inverse covariance of the draws'
+    noise averaged over the grid: ``E[exp(T_i + T_l - LS_i - LS_l)] S_il`` with ``S``
+    the averaged covariance (``factors``), ``T`` the ``sd_tables``
+    (:func:`averaged_view_factors`) at the grid's nodes and ``LS`` the data
+    coordinates' log scales at its points (``(G, size)`` flat, ``log_scales``).
+    The covariance ``std`` and ``cov`` report; ``None`` if not positive definite.
+
+    Examples
+    --------
+    One coordinate whose sd follows ``1 / sigma`` (``log sigma = t``) around a
+    data coordinate of variance 1: the moment is ``E[exp(-2 t)]`` on the grid.
+
+    >>> import numpy as np
+    >>> w = np.r_[0.5, np.full(8, 0.5 / 8)]
+    >>> am = AxisMarginal(np.eye(1), np.ones(1), None, np.zeros(1), None, None, w[None])
+    >>> grid = moment_grid(am, np.zeros(1), 1)
+    >>> (L,) = noise_moment_factors([np.ones((1, 1, 1))], [np.zeros((1, len(NODES), 1, 1))],
+    ...                             grid, grid.t, [np.zeros((1, 1), int)])
+    >>> bool(np.isclose(1 / L[0, 0, 0] ** 2, w @ np.exp(-2 * np.r_[0.0, AXIS_POINTS])))
+    True
+    """
+    n = grid.nodes.shape[1]
+    out = []
+    for L, table, idx in zip(factors, sd_tables, flat_maps, strict=True):
+        idx = np.asarray(idx)
+        T = sum(table[j, grid.nodes[:, j]] for j in range(n))  # (G, R, K)
+        e = np.exp(T - np.asarray(log_scales)[:, idx])
+        second = np.einsum("g,grk,grl->rkl", grid.p, e, e)
+        S = _block_covariance(L) * second
+        try:
+            prec = np.linalg.inv(S)
+            L_mom = np.linalg.cholesky(0.5 * (prec + np.swapaxes(prec, -1, -2)))
+        except np.linalg.LinAlgError:
+            return None
+        if not np.all(np.isfinite(L_mom)):
+            return None
+        out.append(L_mom)
+    return out
 
 
 #: Largest change of a coordinate's log scale over the profile points (a factor 20) for
@@ -607,16 +729,43 @@ def averaged_view_factors(weights, factors, log_scales=None):
 MAX_MEAN_LOG_SCALE = 3.0
 
 
-def refit_log_scales(refits, means: bool = False):
+class DataCoordinates(NamedTuple):
+    """How the data's coordinates ``u = s(h) w`` of q(w) move along q(h)'s profile.
+
+    Attributes
+    ----------
+    log_scales : list of list of np.ndarray
+        Per re-fit (the centre first), per segment, ``log s`` relative to the
+        centre, ``(R, K)`` (:func:`sensitivity_log_scales`).
+    held : list of np.ndarray
+        Per segment, the coordinates the data move at all (the others have
+        ``s = 1``).
+    follows : list of np.ndarray
+        Per segment, the coordinates whose conditional means follow ``s``
+        (see :func:`data_coordinates`).
+    """
+
+    log_scales: list
+    held: list
+    follows: list
+
+    def mean_log_scales(self):
+        """``log_scales`` where the means follow them, 0 elsewhere."""
+        return [
+            [ls * f for ls, f in zip(point, self.follows, strict=True)] for point in self.log_scales
+        ]
+
+
+def data_coordinates(refits) -> DataCoordinates | None:
     """Per re-fit, per segment, the log scales of the data's coordinates relative to the centre.
 
     :func:`sensitivity_log_scales` of the re-fits' ``sensitivity`` (the first
-    re-fit is the centre); ``None`` if a re-fit lacks it. With ``means=True``
-    (the scales the draws' means follow) a coordinate whose log scale changes
+    re-fit is the centre); ``None`` if a re-fit lacks it. For the draws' means
+    (``follows``) a coordinate whose log scale changes
     by more than :data:`MAX_MEAN_LOG_SCALE` keeps them only if its re-fitted
     means fit ``m_k = m_0 exp(-ls_k)`` (data-held: a non-centered ``z`` moves
     like ``1 / sigma``) at least as well as ``m_k = m_0`` (in the local sds,
-    summed over the profile points); otherwise its scales are 0. A
+    summed over the profile points); otherwise it stays in q(w)'s coordinates. A
     high-frequency basis coefficient of a Hilbert-space GP, whose column
     scales with its spectral density over orders of magnitude while the prior
     holds it, is such a coordinate: with its scales its draws' means came out
@@ -637,35 +786,42 @@ def refit_log_scales(refits, means: bool = False):
     >>> refits = [Refit(0.0, [np.array([[1.0, 1.0]])], f, 0, sens(1.0)),
     ...           Refit(0.0, [np.array([[1 / 30, 900.0]])], f, 0, sens(30.0)),
     ...           Refit(0.0, [np.array([[1 / 60, 3600.0]])], f, 0, sens(60.0))]
-    >>> [np.round(x[0], 3).tolist() for x in refit_log_scales(refits, means=True)]
-    [[[0.0, 0.0]], [[3.401, 0.0]], [[4.094, 0.0]]]
+    >>> dc = data_coordinates(refits)
+    >>> dc.follows[0].tolist(), [np.round(x[0], 3).tolist() for x in dc.mean_log_scales()]
+    ([[True, False]], [[[0.0, 0.0]], [[3.401, 0.0]], [[4.094, 0.0]]])
     """
     if any(r.sensitivity is None for r in refits):
         return None
     nseg = len(refits[0].sensitivity)
     out = [[None] * nseg for _ in refits]
+    held, follows = [], []
     grid = np.array([0.0, 1.0])[:, None, None, None]
     for s in range(nseg):
-        ls = np.stack(sensitivity_log_scales([r.sensitivity[s] for r in refits]))
-        if means:
-            sd = np.stack(
-                [
-                    np.sqrt(np.diagonal(_block_covariance(r.factors[s]), axis1=-2, axis2=-1))
-                    for r in refits
-                ]
-            )
-            m = np.stack([np.asarray(r.means[s]) for r in refits])
-            with np.errstate(invalid="ignore", over="ignore"):
-                misfit = np.sum(((m - m[0] * np.exp(-grid * ls)) / sd) ** 2, axis=1)
-            misfit = np.where(np.isfinite(misfit), misfit, np.inf)
-            moderate = np.max(np.abs(ls), axis=0) <= MAX_MEAN_LOG_SCALE
-            ls = np.where(moderate | (misfit[1] <= misfit[0]), ls, 0.0)
+        sens = [np.asarray(r.sensitivity[s], dtype="float64") for r in refits]
+        ls = np.stack(sensitivity_log_scales(sens))
+        held.append(sens[0] > SENSITIVITY_FLOOR * (np.max(sens[0]) if sens[0].size else 0.0))
+        sd = np.stack(
+            [
+                np.sqrt(np.diagonal(_block_covariance(r.factors[s]), axis1=-2, axis2=-1))
+                for r in refits
+            ]
+        )
+        m = np.stack([np.asarray(r.means[s]) for r in refits])
+        with np.errstate(invalid="ignore", over="ignore"):
+            misfit = np.sum(((m - m[0] * np.exp(-grid * ls)) / sd) ** 2, axis=1)
+        misfit = np.where(np.isfinite(misfit), misfit, np.inf)
+        moderate = np.max(np.abs(ls), axis=0) <= MAX_MEAN_LOG_SCALE
+        follows.append(held[-1] & (moderate | (misfit[1] <= misfit[0])))
         for i in range(len(refits)):
             out[i][s] = ls[i]
-    return out
+    return DataCoordinates(out, held, follows)
 
 
-def sensitivity_log_scales(sensitivities, floor=1e-12):
+#: Squared column norms below this fraction of a segment's largest count as no data.
+SENSITIVITY_FLOOR = 1e-12
+
+
+def sensitivity_log_scales(sensitivities, floor=SENSITIVITY_FLOOR):
     """``log`` of how strongly each coordinate moves the predictors, relative to the centre.
 
     ``0.5 log(c_k / c_0)`` for the squared column norms ``c_k`` of the
@@ -727,16 +883,15 @@ def conditional_mean_table(
         Length of that flat vector.
     log_scales : list of list of np.ndarray, optional
         Per refit, per segment, ``log s`` relative to the centre's, ``(R, K)``
-        (:func:`refit_log_scales`); ``None``: ``s = 1``.
+        (:func:`data_coordinates`); ``None``: ``s = 1``.
 
     Returns
     -------
-    (np.ndarray, np.ndarray)
-        ``M`` and ``LS``, each ``(n_h, len(NODES), size)``: at each node the
-        mean in the data's coordinates minus the centre's (axis 0 also carries
-        the centre's offset from the fitted mean: the fitted q(w) optimizes the
-        bound averaged over q(h), the centre's re-fit the bound at its mean),
-        and ``log s`` (0 at the centre).
+    np.ndarray
+        ``M``, ``(n_h, len(NODES), size)``: at each node the mean in the data's
+        coordinates minus the centre's (axis 0 also carries the centre's offset
+        from the fitted mean: the fitted q(w) optimizes the bound averaged over
+        q(h), the centre's re-fit the bound at its mean).
 
     Examples
     --------
@@ -747,11 +902,11 @@ def conditional_mean_table(
     >>> nodes = np.r_[0.0, AXIS_POINTS]
     >>> refits = [Refit(0.0, [np.exp(-np.array([[z]]))], [None], 0) for z in nodes]
     >>> ls = [[np.array([[z]])] for z in nodes]
-    >>> M, LS = conditional_mean_table(
+    >>> M = conditional_mean_table(
     ...     refits, [np.ones((1, 1))], np.eye(1), np.ones(1),
     ...     [np.zeros((1, 1), dtype=int)], 1, ls)
-    >>> bool(np.allclose(M, 0.0)), bool(np.allclose(LS[0, :, 0], NODES))
-    (True, True)
+    >>> bool(np.allclose(M, 0.0))
+    True
     """
 
     def flat(blocks):
@@ -763,7 +918,6 @@ def conditional_mean_table(
     n = len(scales)
     centre = flat(refits[0].means)
     table = np.zeros((n, len(NODES), size))
-    log_table = np.zeros((n, len(NODES), size))
     per_axis = len(AXIS_POINTS)
     for j in range(n):
         for k, z in enumerate(AXIS_POINTS):
@@ -771,19 +925,18 @@ def conditional_mean_table(
             i = 1 + j * per_axis + k
             ls = np.zeros(size) if log_scales is None else flat(log_scales[i])
             table[j, node] = np.exp(ls) * flat(refits[i].means) - centre
-            log_table[j, node] = ls
     table[0] += centre - flat(fitted_means)
-    return table, log_table
+    return table
 
 
 class DrawMoments(NamedTuple):
     """The moments of the Gaussian globals' draws' mean part under the axis marginal.
 
     With ``t_j`` the draws' coordinates along q(h)'s axes (``h - mu = sum_j
-    scales_j t_j directions_j``), the draws are ``m + noise + g(t)``, ``g(t) =
-    exp(-sum_j LS_j(t_j)) (m + sum_j M_j(t_j)) - m``
-    (:func:`conditional_mean_table`), the noise independent of ``t``. On the
-    grid of the axis marginal's nodes (independent axes):
+    scales_j t_j directions_j``), the draws are ``m + noise + g(h)``, ``g(h) =
+    exp(-LS(h)) (m + sum_j M_j(t_j)) - m`` (:func:`conditional_mean_table`;
+    ``LS`` the log scales of the data's coordinates at ``h``), the noise
+    independent of ``g`` given ``h``. On :func:`moment_grid`'s points:
 
     * ``shift = E[g]``: the draws' mean is ``m + shift``;
     * ``R R^T = Cov(g)``: added to the noise's covariance;
@@ -795,15 +948,13 @@ class DrawMoments(NamedTuple):
     cross: np.ndarray
 
 
-#: Largest number of grid points times coordinates of :func:`draw_moments`'s exact grid
-#: (above it, points are drawn from the grid's weights).
-MAX_MOMENT_GRID = 2e7
-#: Largest rank of ``R`` in :class:`DrawMoments`.
-MAX_MOMENT_RANK = 729
+def draw_moments(mean_table, grid: MomentGrid, log_scales, fitted, directions, scales):
+    """The :class:`DrawMoments` of the mean table of :func:`conditional_mean_table`.
 
-
-def draw_moments(mean_table, log_scale_table, marginal: AxisMarginal, fitted) -> DrawMoments:
-    """The :class:`DrawMoments` of the tables of :func:`conditional_mean_table`.
+    ``log_scales`` (``(G, size)``) are the data coordinates' log scales at the
+    grid's points, ``exp(-LS)`` the factor from those coordinates back to q(w)'s
+    (zeros where the means do not follow them); ``directions`` and ``scales`` are
+    q(h)'s axes.
 
     Examples
     --------
@@ -815,45 +966,29 @@ def draw_moments(mean_table, log_scale_table, marginal: AxisMarginal, fitted) ->
     >>> table[0, 4, 0] = 1.0
     >>> am = AxisMarginal(np.eye(1), np.ones(1), None, np.zeros(1), None, None,
     ...                   np.r_[0.5, np.full(8, 0.5 / 8)][None])
-    >>> mom = draw_moments(table, np.zeros_like(table), am, np.zeros(1))
+    >>> grid = moment_grid(am, np.zeros(1), 1)
+    >>> mom = draw_moments(table, grid, np.zeros((9, 1)), np.zeros(1), np.eye(1), np.ones(1))
     >>> float(mom.shift[0]), round(float((mom.R @ mom.R.T)[0, 0]), 12)
     (0.5, 0.25)
 
-    A coordinate ``z = 1 / sigma`` (``log sigma = t``, the data's coordinate
-    fixed at 1) gets the moments of ``exp(-t)`` on the nodes:
+    A coordinate ``z = 1 / sigma`` (``log sigma = t``, its data coordinate fixed
+    at 1) gets the moments of ``exp(-t)`` on the nodes:
 
-    >>> w = np.r_[0.5, np.full(8, 0.5 / 8)]
-    >>> am = am._replace(weights=w[None])
-    >>> ls = NODES.reshape(1, -1, 1).astype(float)
-    >>> mom = draw_moments(np.zeros((1, len(NODES), 1)), ls, am, np.ones(1))
-    >>> e = np.exp(-np.r_[0.0, AXIS_POINTS])
-    >>> bool(np.isclose(1.0 + mom.shift[0], w @ e))
+    >>> mom = draw_moments(np.zeros((1, len(NODES), 1)), grid, grid.t, np.ones(1),
+    ...                    np.eye(1), np.ones(1))
+    >>> bool(np.isclose(1.0 + mom.shift[0], grid.p @ np.exp(-grid.t[:, 0])))
     True
     """
     fitted = np.asarray(fitted, dtype="float64")
-    n, size = mean_table.shape[0], mean_table.shape[-1]
-    z = np.r_[0.0, AXIS_POINTS]
-    order = [int(np.flatnonzero(NODES == zk)[0]) for zk in z]
-    weights = np.asarray(marginal.weights)
-    n_grid = len(z) ** n
-    if n_grid * size <= MAX_MOMENT_GRID:
-        points = np.indices((len(z),) * n).reshape(n, -1).T  # (G, n) node indices
-        p = np.prod(weights[np.arange(n), points], axis=1)
-    else:
-        # points drawn axis by axis from the node weights, equally weighted
-        rng = np.random.default_rng(0)
-        m = int(MAX_MOMENT_GRID // size)
-        points = np.column_stack([rng.choice(len(z), size=m, p=weights[j]) for j in range(n)])
-        p = np.full(m, 1.0 / m)
-    M = sum(mean_table[j, np.asarray(order)[points[:, j]]] for j in range(n))
-    LS = sum(log_scale_table[j, np.asarray(order)[points[:, j]]] for j in range(n))
-    g = np.exp(-LS) * (fitted + M) - fitted  # (G, size)
+    n = mean_table.shape[0]
+    p = grid.p
+    M = sum(mean_table[j, grid.nodes[:, j]] for j in range(n))
+    g = np.exp(-np.asarray(log_scales)) * (fitted + M) - fitted  # (G, size)
     shift = p @ g
     gc = np.sqrt(p)[:, None] * (g - shift)
-    t = z[points]  # (G, n)
-    tc = t - p @ t
+    tc = grid.t - p @ grid.t
     cross_t = gc.T @ (np.sqrt(p)[:, None] * tc)  # Cov(g, t), (size, n)
-    cross = cross_t @ (np.asarray(marginal.directions) * marginal.scales).T
+    cross = cross_t @ (np.asarray(directions) * scales).T
     if gc.shape[0] <= MAX_MOMENT_RANK:
         R = gc.T
     else:

@@ -163,15 +163,11 @@ class StructuredBound:
         """
         out = [None] * n_segments
         for term, geom in zip(self.tlm.predictor_terms, self.geometries, strict=True):
-            if term.kind != "likelihood":
-                continue
-            n = geom.n_rows
-            _, out = geom.accumulate(
-                pt.zeros((n,)), pt.ones((n,)), [None] * n_segments, out, geom.prepare()
-            )
+            if term.kind == "likelihood":
+                out = geom.column_norms(out, geom.prepare())
         return [
-            pt.zeros((seg.rows, seg.k)) if H is None else pt.diagonal(H, axis1=-2, axis2=-1)
-            for H, seg in zip(out, self.tlm.segments, strict=True)
+            pt.zeros((seg.rows, seg.k)) if c is None else c
+            for c, seg in zip(out, self.tlm.segments, strict=True)
         ]
 
     def evaluate(

@@ -232,6 +232,31 @@ class PredictorGeometry:
                 hessians[p.segment] = H if hessians[p.segment] is None else hessians[p.segment] + H
         return grads, hessians
 
+    def column_norms(self, norms, designs):
+        """Add ``sum_i a_i^2`` (elementwise: the squared column norms of the design) per
+        segment, as ``(R, K)`` tensors in the list ``norms`` (``None`` entries start
+        at 0); the updated list is returned. The diagonal of ``accumulate``'s ``H``
+        with ``beta = 1``, without forming ``H``."""
+        n = self.n_rows
+        norms = list(norms)
+        for p in self.pieces:
+            seg = self.segments[p.segment]
+            if p.dense_path:
+                c = pt.sum(pt.square(designs[id(p)]), axis=0).reshape((seg.rows, seg.k))
+            elif p.mixed:
+                coords, Xd, cols, vals = designs[id(p)]
+                c = pt.zeros((seg.dim,))
+                c = pt.inc_subtensor(c[cols], pt.square(vals))
+                if Xd is not None:
+                    c = pt.inc_subtensor(c[coords], pt.sum(pt.square(Xd), axis=0))
+                c = c.reshape((seg.rows, seg.k))
+            else:
+                rows, cols, vals = _concat_sparse(p.sparse, n)
+                c = pt.zeros((seg.rows, seg.k))
+                c = pt.inc_subtensor(c[rows, cols], pt.square(vals))
+            norms[p.segment] = c if norms[p.segment] is None else norms[p.segment] + c
+        return norms
+
     def accumulate_cross(self, beta, head, crosses, designs):
         """Add ``sum_i beta_i a_{i,s} a_{i,head}^T`` for every segment ``s`` but ``head``.
 

@@ -17,7 +17,7 @@ import pytensor.tensor as pt
 from pymc.variational.opvi import Approximation, Group, node_property
 from xarray import DataArray, Dataset
 
-from pymc_mcssvi.algorithms.marginal import node_interpolation, table_transform
+from pymc_mcssvi.algorithms.marginal import grid_interpolation, node_interpolation, table_transform
 from pymc_mcssvi.families.gaussian import GaussianBlocks, covariance, sample
 from pymc_mcssvi.pymc.python_vm import graph_building
 
@@ -40,11 +40,20 @@ class ConditionalView(NamedTuple):
     sd_table : SharedVariable
         ``(n_h, len(NODES), ddim)`` log ratios of the conditional sds along q(h)'s
         axes: each draw's noise is scaled by them at its ``h``.
-    mean_table, log_scale_table : SharedVariable
-        ``(n_h, len(NODES), ddim)`` each: the conditional means in the data's
-        coordinates and the log scales of those coordinates along q(h)'s axes
+    mean_table : SharedVariable
+        ``(n_h, len(NODES), ddim)``: the conditional means in the data's
+        coordinates along q(h)'s axes
         (:func:`~pymc_mcssvi.algorithms.marginal.conditional_mean_table`): a
-        draw's mean is ``exp(-LS(t)) (center + M(t))``.
+        draw's mean is ``exp(-LS(h)) (center + M(t))``.
+    log_scale_grid : SharedVariable
+        ``(len(NODES)^n_h, ddim)``: ``LS``, the log scales of the data's
+        coordinates (half the log ratio of the predictor Jacobian's squared column
+        norms to the centre's) on the tensor grid of the nodes along q(h)'s axes,
+        interpolated at each draw
+        (:func:`~pymc_mcssvi.algorithms.marginal.grid_interpolation`).
+    scale_masks : SharedVariable
+        ``(2, ddim)``: the coordinates whose noise (row 0) and mean (row 1)
+        follow ``LS`` (see :func:`~pymc_mcssvi.algorithms.marginal.data_coordinates`).
     moments : DrawMoments
         The mean part's moments: its mean, covariance and cross-covariance with
         ``h`` (:func:`~pymc_mcssvi.algorithms.marginal.draw_moments`).
@@ -57,7 +66,8 @@ class ConditionalView(NamedTuple):
     factors: list
     sd_table: object
     mean_table: object
-    log_scale_table: object
+    log_scale_grid: object
+    scale_masks: object
     moments: object
     moment_factors: list
 
@@ -223,10 +233,11 @@ class StructuredGaussianGroup(Group):
                 _, V, s, *_ = hyper.marginal
                 t = (h @ V) / s
                 centre = self.center[None, :]
-                noise = pt.exp(node_interpolation(t, view.sd_table)) * (out - centre)
-                mean = pt.exp(-node_interpolation(t, view.log_scale_table)) * (
-                    centre + node_interpolation(t, view.mean_table)
-                )
+                n_axes = view.mean_table.get_value(borrow=True).shape[0]
+                ls = grid_interpolation(t, view.log_scale_grid, n_axes)
+                noise_ls, mean_ls = ls * view.scale_masks[0], ls * view.scale_masks[1]
+                noise = pt.exp(node_interpolation(t, view.sd_table) - noise_ls) * (out - centre)
+                mean = pt.exp(-mean_ls) * (centre + node_interpolation(t, view.mean_table))
                 out = pt.switch(pt.eq(view.on, 1), mean + noise, linear)
             else:
                 out = linear

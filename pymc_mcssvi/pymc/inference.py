@@ -24,7 +24,7 @@ from pymc.pytensorf import compile as pm_compile
 from pymc.pytensorf import resolve_backend_compile_kwargs
 from pymc.variational.inference import Inference
 from pytensor.compile.mode import Mode, get_mode
-from pytensor.graph.replace import graph_replace
+from pytensor.graph.replace import graph_replace, vectorize_graph
 from pytensor.graph.rewriting.basic import in2out
 from rich.console import Console
 from rich.progress import Progress, TextColumn
@@ -35,6 +35,7 @@ from pymc_mcssvi.algorithms.hyperparameters import (
     HyperSpec,
     MeanFieldHyperparameters,
     PointHyperparameters,
+    shapes_at_fixed,
     unbatch_constant_split,
 )
 from pymc_mcssvi.algorithms.kernel import MAX_COUPLED_HYPERS, StepKernel
@@ -42,6 +43,7 @@ from pymc_mcssvi.algorithms.marginal import (
     EPS_GRID,
     HESSIAN_STEP,
     MAX_CORRECTED_HYPERS,
+    MAX_MOMENT_GRID,
     MAX_VIEW_WORK,
     NODES,
     ConditionalProfile,
@@ -49,9 +51,12 @@ from pymc_mcssvi.algorithms.marginal import (
     averaged_view_factors,
     axis_marginal,
     conditional_mean_table,
+    data_coordinates,
     draw_moments,
+    moment_grid,
+    node_table_points,
+    noise_moment_factors,
     refit_graph,
-    refit_log_scales,
 )
 from pymc_mcssvi.algorithms.mcssvi import MCSSVIStep
 from pymc_mcssvi.algorithms.optimizers import make_optimizer
@@ -704,9 +709,9 @@ class StructuredVI(Inference):
                     np.zeros((k.hypers.spec.size, len(NODES), n_w)), name="conditional_view_mean"
                 ),
                 pytensor.shared(
-                    np.zeros((k.hypers.spec.size, len(NODES), n_w)),
-                    name="conditional_view_log_scale",
+                    np.zeros((1, n_w)), name="conditional_view_log_scales", shape=(None, n_w)
                 ),
+                pytensor.shared(np.zeros((2, n_w)), name="conditional_view_scale_masks"),
                 DrawMoments(
                     pytensor.shared(np.zeros(n_w), name="conditional_view_mean_shift"),
                     pytensor.shared(
@@ -1118,47 +1123,90 @@ class StructuredVI(Inference):
             return
         view = self._view
         n_w = view.mean_table.get_value(borrow=True).shape[-1]
+        flat = functools.partial(_flatten, self._flat_maps, n_w)
         factors = [f.get_value() for f in self.kernel.base_factor]
         work = sum(f.shape[0] * f.shape[-1] ** 3 for f in factors)
         # the data's coordinates need the re-fits' covariances (as the averaged view does)
-        view_affordable = work <= MAX_VIEW_WORK
-        log_scales = refit_log_scales(refits) if view_affordable else None
-        mean_table, log_table = conditional_mean_table(
-            refits,
-            means,
-            V,
-            s,
-            self._flat_maps,
-            n_w,
-            refit_log_scales(refits, means=True) if view_affordable else None,
+        dc = data_coordinates(refits) if work <= MAX_VIEW_WORK else None
+        mean_table = conditional_mean_table(
+            refits, means, V, s, self._flat_maps, n_w, None if dc is None else dc.mean_log_scales()
         )
         view.mean_table.set_value(mean_table)
-        view.log_scale_table.set_value(log_table)
-        fitted = np.zeros(n_w)
-        for m, idx in zip(means, self._flat_maps, strict=True):
-            fitted[idx.reshape(-1)] = m.reshape(-1)
-        moments = draw_moments(mean_table, log_table, am, fitted)
+        grid = moment_grid(am, mu, n_w)
+        table_points = node_table_points(am, mu)
+        if len(table_points) * n_w > MAX_MOMENT_GRID:
+            dc = None  # the grid of log scales would not fit: q(w)'s own coordinates
+        masks = np.zeros((2, n_w))
+        ls_table = np.zeros((len(table_points), n_w))
+        if dc is not None:
+            masks = np.stack([flat(dc.held), flat(dc.follows)]).astype("float64")
+            log_sens = self._log_sensitivities(np.vstack([mu, table_points]))
+            ls_table = masks[0] * 0.5 * (log_sens[1:] - np.where(masks[0] > 0, log_sens[0], 0.0))
+        view.log_scale_grid.set_value(ls_table)
+        view.scale_masks.set_value(masks)
+        log_scales = ls_table[np.ravel_multi_index(grid.nodes.T, (len(NODES),) * len(s))]
+        fitted = flat(means)
+        moments = draw_moments(mean_table, grid, masks[1] * log_scales, fitted, V, s)
         for shared, value in zip(view.moments, moments, strict=True):
             shared.set_value(value)
-        table = np.zeros(view.sd_table.get_value(borrow=True).shape)
-        moment_factors = factors
-        if view_affordable:
+        ratios = [np.zeros((len(s), len(NODES), *f.shape[:-1])) for f in factors]
+        if dc is not None:
             with np.errstate(all="ignore"):
                 averaged = averaged_view_factors(
-                    am.weights, [r.factors for r in refits], log_scales
+                    am.weights, [r.factors for r in refits], dc.log_scales
                 )
             if averaged is None:
                 logger.info("Conditional covariance of q(w) not averaged: not positive definite")
             else:
-                factors, ratios, moment_factors = averaged
-                for ratio, idx in zip(ratios, self._flat_maps, strict=True):
-                    table[:, :, idx.reshape(-1)] = ratio.reshape((*ratio.shape[:2], -1))
+                factors, ratios = averaged
+        with np.errstate(all="ignore"):
+            moment_factors = noise_moment_factors(
+                factors, ratios, grid, log_scales, self._flat_maps
+            )
+        if moment_factors is None:
+            moment_factors = factors
+        table = np.zeros(view.sd_table.get_value(borrow=True).shape)
+        for ratio, idx in zip(ratios, self._flat_maps, strict=True):
+            table[:, :, idx.reshape(-1)] = ratio.reshape((*ratio.shape[:2], -1))
         for shared, f in zip(view.factors, factors, strict=True):
             shared.set_value(f)
         for shared, f in zip(view.moment_factors, moment_factors, strict=True):
             shared.set_value(f)
         view.sd_table.set_value(table)
         view.on.set_value(np.int8(1))
+
+    def _sensitivity_graph(self, n_w):
+        """``(h, sensitivities)``: the squared column norms of the likelihoods' predictor
+        Jacobian (flat, in q(w)'s order) as a graph of the flat hyperparameter vector
+        ``h`` (:meth:`~pymc_mcssvi.bounds.structured.StructuredBound.sensitivities`):
+        the scales of the data's coordinates at each draw of the conditional view."""
+        k = self.kernel
+        h = pt.vector("view_h", shape=(k.hypers.spec.size,))
+        with graph_building():
+            out = pt.zeros((n_w,))
+            for c, idx in zip(self.bound.sensitivities(k.nseg), self._flat_maps, strict=True):
+                out = pt.set_subtensor(out[idx.reshape(-1)], c.reshape((-1,)))
+            out = graph_replace(out, k.hypers.spec.replacements(h), strict=False)
+            (out,) = shapes_at_fixed(h, [out])
+        return h, out
+
+    def _log_sensitivities(self, hs):
+        """``log`` of the view's sensitivities at the rows of ``hs`` (compiled once)."""
+        if getattr(self, "_sensitivity_fn", None) is None:
+            h, out = self._sensitivity_graph(self._view.mean_table.get_value(borrow=True).shape[-1])
+            H = pt.matrix("view_hs", shape=(None, h.type.shape[0]))
+            # unbatched when the sensitivities do not depend on h (centered effects)
+            batched = pt.broadcast_to(
+                vectorize_graph(out, {h: H}), (H.shape[0], out.type.shape[-1])
+            )
+            with graph_building():
+                self._sensitivity_fn = pytensor.function(
+                    [H],
+                    pt.log(pt.maximum(batched, 1e-300)),
+                    on_unused_input="ignore",
+                    allow_input_downcast=True,
+                )
+        return self._sensitivity_fn(np.asarray(hs, dtype="float64"))
 
     def _compile_profile(self):
         """The re-fit step ``(h, rho, means, factors) -> (value, means, factors, gain, sensitivity)`` of
@@ -1172,7 +1220,8 @@ class StructuredVI(Inference):
                 if self.backend_used in (None, "python", "custom")
                 else _named_backend_kwargs(self.backend_used, {})
             )
-            fn = pm_compile(inputs, outputs, **ck)
+            # float64 points into a floatX=float32 model's hyperparameters
+            fn = pm_compile(inputs, outputs, allow_input_downcast=True, **ck)
         split = np.cumsum([int(np.prod(shp)) for shp in hyp.spec.shapes])[:-1]
         shapes = hyp.spec.shapes
         nseg = self.kernel.nseg
@@ -1291,6 +1340,14 @@ class StructuredVI(Inference):
         # smaller tol is honoured near ELBO = 0 and for tight checks (tol=1e-12)
         limit = tol * (abs(scores[-1]) + 10.0)
         return all(abs(g) <= limit for g in gains[-k:])
+
+
+def _flatten(flat_maps, size, blocks) -> np.ndarray:
+    """Per-segment ``(R, K)`` arrays placed in q(w)'s flat order."""
+    out = np.zeros(size)
+    for b, idx in zip(blocks, flat_maps, strict=True):
+        out[idx.reshape(-1)] = np.asarray(b).reshape(-1)
+    return out
 
 
 def _data_values(model) -> dict:

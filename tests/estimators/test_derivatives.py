@@ -125,3 +125,46 @@ def test_nonlinear_general_path_gradient_and_hessian(rng):
         Em, gm, _ = fn()
         np.testing.assert_allclose(g[0, i], (Ep - Em) / (2 * h), rtol=1e-6)
         np.testing.assert_allclose(H[0, :, i], (gp - gm)[0] / (2 * h), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("cov", ["block", "diag", "full"])
+def test_sensitivities_are_the_design_column_norms(rng, cov):
+    """``StructuredBound.sensitivities``: per coordinate, the squared norm of its column of
+    the likelihood's predictor Jacobian (here read from finite differences of the
+    predictor), on every path (dense, gathers, mixed), a non-centered scale included."""
+    n, G = 60, 5
+    g = rng.integers(0, G, n)
+    x = rng.normal(size=n)
+    y = rng.poisson(2.0, n)
+    with pm.Model() as m:
+        b = pm.Normal("b", 0, 1, shape=2)
+        s = pm.HalfNormal("s", 1)
+        a = pm.Normal("a", 0, 1, shape=(G, 2))
+        eta = b[0] + b[1] * x + s * a[g, 0] + a[g, 1] * x
+        pm.Deterministic("eta", eta)
+        pm.Poisson("y", pm.math.exp(eta), observed=y)
+        inf = pymc_mcssvi.MCSSVI(cov={"a": cov})
+    k = inf.kernel
+    sens = pytensor.function(list(k.hypers.spec.values), inf.bound.sensitivities(k.nseg))
+    s_val = 0.7
+    got = sens(np.log(s_val))
+    # the Jacobian of eta in each global's coordinates, by finite differences
+    eta = m.replace_rvs_by_values([m["eta"]])[0]
+    eta_fn = m.compile_fn(eta, inputs=m.value_vars, point_fn=False, on_unused_input="ignore")
+    point = {"b": np.zeros(2), "s_log__": np.log(s_val), "a": np.zeros((G, 2))}
+    base = eta_fn(**point)
+    for seg_out, seg in zip(got, inf.tlm.segments, strict=True):
+        assert seg_out.shape == (seg.rows, seg.k)
+    want = {}
+    for name, shape in (("b", (2,)), ("a", (G, 2))):
+        cols = np.zeros(shape)
+        for idx in np.ndindex(shape):
+            p = {**point, name: point[name].copy()}
+            p[name][idx] += 1e-6
+            cols[idx] = np.sum(((eta_fn(**p) - base) / 1e-6) ** 2)
+        want[name] = cols
+    for out, seg in zip(got, inf.tlm.segments, strict=True):
+        for gid in seg.members:
+            gl = inf.tlm.gaussians[gid]
+            vals = np.asarray(out)[seg.row_of[gid], seg.col_of[gid]]
+            np.testing.assert_allclose(vals.reshape(want[gl.name].shape), want[gl.name], rtol=1e-5)

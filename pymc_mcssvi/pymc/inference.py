@@ -1203,6 +1203,7 @@ class StructuredVI(Inference):
                 self._sensitivity_fn = pytensor.function(
                     [H],
                     pt.log(pt.maximum(batched, 1e-300)),
+                    mode=python_few_calls_mode(),
                     on_unused_input="ignore",
                     allow_input_downcast=True,
                 )

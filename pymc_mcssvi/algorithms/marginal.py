@@ -650,6 +650,50 @@ def node_table_points(marginal: AxisMarginal, centre_h) -> np.ndarray:
     return np.asarray(centre_h) + (t * marginal.scales) @ np.asarray(marginal.directions).T
 
 
+def additive_node_table(axis_values, n: int) -> np.ndarray:
+    """The tensor-grid table (rows as in :func:`node_table_points`) of a function that is
+    0 at the centre and adds up across the axes, from its values at the profile
+    points (``axis_values``: the centre, then :data:`AXIS_POINTS` along each axis in
+    turn, each ``(size,)``).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> vals = [np.zeros(1)] + [np.array([z]) for z in AXIS_POINTS] + [
+    ...     np.array([10 * z]) for z in AXIS_POINTS]
+    >>> table = additive_node_table(vals, 2)
+    >>> pts = NODES[np.indices((9, 9)).reshape(2, -1).T]
+    >>> bool(np.allclose(table[:, 0], pts[:, 0] + 10 * pts[:, 1]))
+    True
+    """
+    size = np.shape(axis_values[0])[-1]
+    k, per_axis = len(NODES), len(AXIS_POINTS)
+    table = np.zeros((k,) * n + (size,))
+    centre_at = int(np.flatnonzero(NODES == 0.0)[0])
+    for j in range(n):
+        along = list(axis_values[1 + j * per_axis : 1 + (j + 1) * per_axis])
+        along.insert(centre_at, np.zeros(size))
+        shape = [1] * n + [size]
+        shape[j] = k
+        table = table + np.stack(along).reshape(shape)
+    return table.reshape(-1, size)
+
+
+def off_axis_nodes(n: int) -> np.ndarray:
+    """Rows of the tensor grid (as in :func:`node_table_points`) at ``+-2`` sds on every
+    pair of axes: where a function that adds up across the axes is checked."""
+    centre_at = int(np.flatnonzero(NODES == 0.0)[0])
+    out = []
+    for j in range(n):
+        for k in range(j + 1, n):
+            for a in (-2, 2):
+                for b in (-2, 2):
+                    idx = [centre_at] * n
+                    idx[j], idx[k] = centre_at + a, centre_at + b
+                    out.append(np.ravel_multi_index(idx, (len(NODES),) * n))
+    return np.asarray(out, dtype="int64")
+
+
 def grid_interpolation(t, table, n: int):
     """Multilinear interpolation of ``table`` (rows: the tensor grid of :data:`NODES`
     along the ``n`` axes, row-major, see :func:`node_table_points`) at the axis

@@ -48,6 +48,7 @@ __all__ = [
     "MAX_CONDITIONAL_STEPS",
     "SPECIAL_FUNCTIONS",
     "SPECIAL_FUNCTION_FLOPS",
+    "held_bytes",
     "ConditionalGlobals",
 ]
 
@@ -145,7 +146,7 @@ class ConditionalGlobals:
             held, special = [], []
             for n in (1, 2):
                 self.refit([h[:n] for h in hs], max_steps=1)
-                held.append(_held_bytes(self._fn.fn))
+                held.append(held_bytes(self._fn.fn))
                 special.append(_special_elements(self._fn.fn))
             self._per_draw = (
                 float(max(held[1] - held[0], 1)),
@@ -319,7 +320,7 @@ def _special_elements(fn) -> int:
     return total
 
 
-def _held_bytes(fn) -> int:
+def held_bytes(fn) -> int:
     """Bytes of the arrays a compiled function's VM holds after a call."""
     return sum(getattr(cell[0], "nbytes", 0) for cell in fn.vm.storage_map.values())
 

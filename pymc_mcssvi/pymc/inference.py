@@ -48,6 +48,7 @@ from pymc_mcssvi.algorithms.marginal import (
     NODES,
     ConditionalProfile,
     DrawMoments,
+    additive_node_table,
     averaged_view_factors,
     axis_marginal,
     conditional_mean_table,
@@ -56,6 +57,7 @@ from pymc_mcssvi.algorithms.marginal import (
     moment_grid,
     node_table_points,
     noise_moment_factors,
+    off_axis_nodes,
     refit_graph,
 )
 from pymc_mcssvi.algorithms.mcssvi import MCSSVIStep
@@ -75,7 +77,7 @@ from pymc_mcssvi.pymc.approximation import (
     StructuredApproximation,
     StructuredGaussianGroup,
 )
-from pymc_mcssvi.pymc.conditional import ConditionalGlobals
+from pymc_mcssvi.pymc.conditional import ConditionalGlobals, held_bytes
 from pymc_mcssvi.pymc.locals import (
     LocalGroup,
     LocalMoments,
@@ -102,6 +104,11 @@ logger = logging.getLogger("pymc_mcssvi")
 
 #: Consecutive rejected steps after which the fit is declared divergent.
 MAX_REJECTIONS = 40
+#: Largest departure (in log scale) of the data coordinates' scales from a sum over
+#: q(h)'s axes for which the axes' values are used on the whole grid.
+ADDITIVE_LOG_SCALE_TOL = 0.02
+#: Memory of one batch of the conditional view's sensitivity evaluations.
+SENSITIVITY_BATCH_BYTES = 2**27
 #: Times the start q's sd is divided by 10 while its bound is not finite.
 MAX_START_SHRINKS = 3
 
@@ -1140,8 +1147,20 @@ class StructuredVI(Inference):
         ls_table = np.zeros((len(table_points), n_w))
         if dc is not None:
             masks = np.stack([flat(dc.held), flat(dc.follows)]).astype("float64")
-            log_sens = self._log_sensitivities(np.vstack([mu, table_points]))
-            ls_table = masks[0] * 0.5 * (log_sens[1:] - np.where(masks[0] > 0, log_sens[0], 0.0))
+            # From the profile points when the log scales add up across the axes (log
+            # sigma of a non-centered effect: exactly), checked on each pair of axes;
+            # else evaluated on the whole grid (an HSGP's spectral density).
+            ls_table = additive_node_table([flat(ls) for ls in dc.log_scales], len(s))
+            rows = off_axis_nodes(len(s))
+            if len(rows):
+
+                def exact(at):
+                    log_sens = self._log_sensitivities(np.vstack([mu, table_points[at]]))
+                    centre = np.where(masks[0] > 0, log_sens[0], 0.0)
+                    return masks[0] * 0.5 * (log_sens[1:] - centre)
+
+                if np.max(np.abs(exact(rows) - ls_table[rows])) > ADDITIVE_LOG_SCALE_TOL:
+                    ls_table = exact(slice(None))
         view.log_scale_grid.set_value(ls_table)
         view.scale_masks.set_value(masks)
         log_scales = ls_table[np.ravel_multi_index(grid.nodes.T, (len(NODES),) * len(s))]
@@ -1207,7 +1226,16 @@ class StructuredVI(Inference):
                     on_unused_input="ignore",
                     allow_input_downcast=True,
                 )
-        return self._sensitivity_fn(np.asarray(hs, dtype="float64"))
+        hs = np.asarray(hs, dtype="float64")
+        fn = self._sensitivity_fn
+        # Batched by the memory one point's intermediates hold (measured on the first
+        # call): a spline of 12 coefficients through a scaled cumsum held about 30 MB
+        # per point, and all 730 points of a three-hyperparameter grid at once 24 GB.
+        first = fn(hs[:1])
+        per_point = max(held_bytes(fn), 1)
+        size = int(max(1, min(len(hs), SENSITIVITY_BATCH_BYTES // per_point)))
+        out = [first] + [fn(hs[lo : lo + size]) for lo in range(1, len(hs), size)]
+        return np.concatenate(out)
 
     def _compile_profile(self):
         """The re-fit step ``(h, rho, means, factors) -> (value, means, factors, gain, sensitivity)`` of

@@ -458,3 +458,48 @@ def test_view_follows_an_hsgp_scale_that_is_not_linear_in_h(monkeypatch):
     assert np.all(np.abs(ratio - 1) < 0.3), np.round([ratio.min(), ratio.max()], 3)
     z_err = (view.mean(0) - exact.mean(0)) / exact.std(0)
     assert np.all(np.abs(z_err) < 0.2), np.round(np.abs(z_err).max(), 3)
+
+
+def _spline_gamm():
+    """A B-spline whose coefficients are a scaled random walk (``cumsum(dw * tau)``) plus
+    a random intercept: three hyperparameters (tau, the group sd, sigma)."""
+    from scipy.interpolate import BSpline
+
+    rng = np.random.default_rng(109)
+    subj = np.repeat(np.arange(2), 200)
+    x = rng.uniform(0, 10, subj.size)
+    y = np.sin(x) + 0.1 * x + rng.normal(0, 0.6, 2)[subj] + rng.normal(0, 0.4, subj.size)
+    knots = np.r_[[0] * 3, np.linspace(0, 10, 10), [10] * 3]
+    B = BSpline.design_matrix(x, knots, 3).toarray()
+    with pm.Model() as m:
+        dw = pm.Normal("dw", 0, 1, shape=B.shape[1])
+        tau = pm.HalfCauchy("tau", 1)
+        a0 = pm.Normal("a0", 0, 5)
+        s_u = pm.HalfNormal("s_u", 1)
+        u = pm.Normal("u", 0, s_u, shape=2)
+        f = pm.Deterministic("f", a0 + pm.math.dot(B, pt.cumsum(dw * tau)) + u[subj])
+        pm.Normal("y", f, pm.HalfNormal("sigma", 1), observed=y)
+    return m
+
+
+def test_data_coordinate_scales_are_evaluated_in_bounded_batches(monkeypatch):
+    """The scales of the data's coordinates on the grid of q(h)'s nodes: for this spline
+    each point's evaluation holds about 30 MB, and all 730 points of the three-axis grid
+    in one call took 24 GB (the machine's memory). They add up across the axes here (the
+    scale is ``tau``), so the profile points give the grid; evaluated point by point
+    anyway, they are the same."""
+    import pymc_mcssvi.pymc.inference as inference
+
+    m = _spline_gamm()
+    with m:
+        inf = pymc_mcssvi.HMCSSVI(random_seed=1)
+        approx = inf.fit(progressbar=False)
+    assert int(inf._view.on.get_value()) == 1
+    table = inf._view.log_scale_grid.get_value()
+    assert table.shape[0] == 9**3
+    hs = np.random.default_rng(0).normal(inf.kernel.hypers.base_mean.get_value()[0], 0.3, (5, 3))
+    whole = inf._log_sensitivities(hs)
+    monkeypatch.setattr(inference, "SENSITIVITY_BATCH_BYTES", 1)
+    np.testing.assert_allclose(inf._log_sensitivities(hs), whole, rtol=1e-12)
+    post = approx.sample(2000, random_seed=2).posterior
+    assert np.all(np.isfinite(post["f"].values))

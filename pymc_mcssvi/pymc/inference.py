@@ -1276,10 +1276,15 @@ class StructuredVI(Inference):
             vals = flat[off : off + n]
             off += n
             if tr is not None and type(tr).__name__ == "LogTransform" and np.any(vals < -12.0):
+                advice = (
+                    f"consider hyper='meanfield', or a prior on {h.name!r} with less mass near 0."
+                    if hyp.mode == "point"
+                    else f"consider a prior on {h.name!r} with less mass near 0."
+                )
                 warnings.warn(
                     f"The estimate of {h.name!r} collapsed towards 0 (value {np.exp(vals.min()):.2g}): the "
                     "bound prefers no variation at that level. The rest of the fit is valid given that value; "
-                    f"consider hyper='meanfield', or a prior on {h.name!r} with less mass near 0.",
+                    + advice,
                     UserWarning,
                     stacklevel=3,
                 )

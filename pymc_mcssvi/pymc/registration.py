@@ -9,6 +9,7 @@ left out to stop at convergence) and hands every other call to PyMC unchanged.
 from __future__ import annotations
 
 import functools
+import inspect
 
 import pymc as pm
 import pymc.variational as pmv
@@ -35,7 +36,9 @@ def fit(
     """``pm.fit`` with ``"mcssvi"``, ``"hmcssvi"`` and ``"sdsvi"`` added.
 
     For these methods ``n=None`` (the default here) runs until the bound has
-    converged instead of PyMC's fixed 10,000 iterations. Other methods behave
+    converged instead of PyMC's fixed 10,000 iterations, and the inference
+    class's options may be passed directly as well as in ``inf_kwargs``
+    (``pm.fit(method="hmcssvi", hyper="point")``). Other methods behave
     exactly as in PyMC.
     """
     from pymc_mcssvi.pymc.inference import StructuredVI
@@ -46,6 +49,11 @@ def fit(
             inference = method
         else:
             inf_kwargs = dict(inf_kwargs or {})
+            options = inspect.signature(METHODS[name].__init__).parameters
+            for key in [k for k in kwargs if k in options and k != "model"]:
+                if key in inf_kwargs:
+                    raise TypeError(f"{key!r} given both directly and in inf_kwargs")
+                inf_kwargs[key] = kwargs.pop(key)
             if random_seed is not None:
                 inf_kwargs["random_seed"] = random_seed
             if start is not None:

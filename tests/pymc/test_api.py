@@ -201,3 +201,19 @@ def test_fitted_approximation_pickles(which):
     for name in before.data_vars:
         np.testing.assert_allclose(after[name].values, before[name].values, rtol=1e-10)
     np.testing.assert_array_equal(loaded.hist, approx.hist)
+
+
+def test_inference_options_pass_through_pm_fit():
+    """``pm.fit(method="hmcssvi", hyper="point")``, as the collapsed-scale warning suggests,
+    raised ``TypeError: HMCSSVI.fit() got unexpected arguments: hyper``."""
+    rng = np.random.default_rng(0)
+    g = rng.integers(0, 5, 100)
+    y = rng.normal(0.3, 0.5, 5)[g] + rng.normal(size=100)
+    with pm.Model():
+        sd = pm.HalfNormal("sd", 1)
+        a = pm.Normal("a", 0, sd, shape=5)
+        pm.Normal("y", a[g], 1.0, observed=y)
+        approx = pm.fit(method="hmcssvi", hyper="point", progressbar=False)
+        assert approx.point_estimates == ["sd"]
+        with pytest.raises(TypeError, match="both directly and in inf_kwargs"):
+            pm.fit(method="hmcssvi", hyper="point", inf_kwargs={"hyper": "meanfield"})

@@ -557,7 +557,20 @@ class StructuredVI(Inference):
         """Warn when too many mean-field hyperparameter coordinates switch off the joint
         step and the linear-response view (:data:`MAX_COUPLED_HYPERS`)."""
         hyp = self.kernel.hypers
-        if hyp is None or hyp.mode != "meanfield" or hyp.spec.size <= MAX_COUPLED_HYPERS:
+        if hyp is None or hyp.mode != "meanfield":
+            return
+        if self.tlm.minibatch and self._effects_scaled_by_hypers():
+            warnings.warn(
+                "With pm.Minibatch the hyperparameters' steps are not coupled with q(w)'s and "
+                "the linear-response correction is off: scales of group effects converge "
+                "slowly and their posterior sds come out too narrow (a 50,000-row logistic "
+                "GLMM with 100 groups: scale 0.52 +- 0.008 against 0.67 +- 0.05 in full "
+                "batch, which took 7 s). Fit the full data when it fits in memory.",
+                UserWarning,
+                stacklevel=4,
+            )
+            return
+        if hyp.spec.size <= MAX_COUPLED_HYPERS:
             return
         if not (self.kernel.monotone and self.algorithm.parameterization == "precision"):
             return
@@ -571,6 +584,29 @@ class StructuredVI(Inference):
             UserWarning,
             stacklevel=4,
         )
+
+    def _effects_scaled_by_hypers(self) -> bool:
+        """Whether a hyperparameter scales Gaussian globals: in their prior (a centered
+        effect's sigma) or in the likelihoods' predictor coefficients (``sigma * z``)."""
+        values = list(self.kernel.hypers.spec.values)
+        for term in self.tlm.predictor_terms:
+            if term.kind != "likelihood":  # a prior, whitened: its scale is in the coefficients
+                graphs = [t.vals for t in term.terms if t.vals is not None] + [term.logp]
+                if any(g is not None and depends_on_any(g, values) for g in graphs):
+                    return True
+                continue
+            # a hyperparameter in a gathered effect's coefficients that the dense ones lack
+            # (not a Gaussian likelihood's 1 / sigma, which scales every coefficient)
+            dense = [t.vals for t in term.terms if t.is_dense and t.vals is not None]
+            for t in term.terms:
+                if t.is_dense or t.vals is None:
+                    continue
+                for v in values:
+                    if depends_on_any(t.vals, [v]) and not any(
+                        depends_on_any(d, [v]) for d in dense
+                    ):
+                        return True
+        return False
 
     # ------------------------------------------------------------------ set-up
     def _make_algorithm(self, mean_optimizer, factor_optimizer):

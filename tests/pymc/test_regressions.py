@@ -340,3 +340,36 @@ def test_mixture_with_a_scale_per_component_fits():
     post = approx.sample(500, random_seed=2).posterior
     np.testing.assert_allclose(post["b"].mean(("chain", "draw")), [-0.5, 1.5], atol=0.15)
     np.testing.assert_allclose(post["sigma"].mean(("chain", "draw")), [0.5, 0.5], atol=0.1)
+
+
+@pytest.mark.parametrize("form", ["noncentered", "centered", "no_groups"])
+def test_minibatch_with_group_scales_warns(form):
+    """With ``pm.Minibatch`` the hyperparameter step is not coupled and the linear-response
+    view is off: a 50,000-row logistic GLMM's scale came out 0.52 +- 0.008 where the full
+    batch gives 0.67 +- 0.05 (and NUTS agrees). The user is told; a plain regression with
+    a residual scale is not a case for it."""
+    import warnings
+
+    rng = np.random.default_rng(0)
+    N = 2000
+    g = rng.integers(0, 20, N)
+    x = rng.normal(size=N)
+    y = rng.normal(size=N)
+    xm, gm, ym = pm.Minibatch(x, g, y, batch_size=200)
+    with pm.Model():
+        b0 = pm.Normal("b0", 0, 2)
+        eta = b0 + xm
+        if form != "no_groups":
+            s = pm.HalfNormal("s", 1)
+            a = (
+                s * pm.Normal("z", 0, 1, shape=20)
+                if form == "noncentered"
+                else pm.Normal("a", 0, s, shape=20)
+            )
+            eta = eta + a[gm]
+        pm.Normal("y", eta, pm.HalfNormal("sigma", 1), observed=ym, total_size=N)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            pymc_mcssvi.HMCSSVI()
+    hit = [w for w in caught if "With pm.Minibatch" in str(w.message)]
+    assert len(hit) == (0 if form == "no_groups" else 1)

@@ -154,8 +154,8 @@ def laplace_nodes(logp_y, value, loc, scale, n: int):
     True
     """
     u, logv = _standard_nodes(n, value.ndim)
-    d1 = pt.grad(pt.sum(logp_y), value)
-    d2 = pt.grad(pt.sum(d1), value)
+    d1 = pt.grad(pt.sum(logp_y), value, disconnected_inputs="ignore")
+    d2 = pt.grad(pt.sum(d1), value, disconnected_inputs="ignore")
     prior_prec = 1.0 / pt.square(scale)
     f = loc
     for _ in range(NEWTON_STEPS):

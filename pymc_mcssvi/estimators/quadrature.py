@@ -47,8 +47,10 @@ def gauss_hermite(n: int) -> tuple[np.ndarray, np.ndarray]:
 
 def derivative_graphs(logp, placeholder):
     """``(l, l', l'')`` as graphs in ``placeholder`` (elementwise)."""
-    d1 = pt.grad(pt.sum(logp), placeholder)
-    d2 = pt.grad(pt.sum(d1), placeholder)
+    # "ignore": l' is constant for a log density linear in the predictor (a Poisson
+    # whose counts are all 0), and l'' is then 0
+    d1 = pt.grad(pt.sum(logp), placeholder, disconnected_inputs="ignore")
+    d2 = pt.grad(pt.sum(d1), placeholder, disconnected_inputs="ignore")
     return logp, d1, d2
 
 

@@ -1054,6 +1054,10 @@ class StructuredVI(Inference):
             except KeyboardInterrupt:
                 pass
         scores = scores[:i]
+        if start_iter == 0:
+            # iterations spent on a start whose bound was not finite (then narrowed, see
+            # ``_shrink_start``) are not part of the fit's history
+            scores = scores[np.argmax(np.isfinite(scores)) if np.isfinite(scores).any() else 0 :]
         self.hist = np.concatenate([self.hist, scores])
         self.approx.hist = self.hist
         self.approx.n_iter = len(self.hist)

@@ -25,13 +25,20 @@ as differences of cumulative probabilities before taking the log:
   distribution): the log cdf ``log1mexp(-y)`` with ``y = c exp(f)`` or
   ``(c / exp(f))^a`` becomes ``log1mexp_negexp(log y)`` with ``log y`` formed
   without the round trip, and the log survival function, which PyMC writes as
-  the double complement ``log1mexp(log1mexp(-y))``, becomes ``-exp(log y)``.
+  the double complement ``log1mexp(log1mexp(-y))``, becomes ``-exp(log y)``;
+* ``log(erfc(x))`` (probit terms, ``pm.SkewNormal``) becomes :func:`log_erfc`,
+  whose derivatives stay finite where ``erfc`` underflows;
+* masks: a comparison passes no gradient to its inputs, and ``c * log(x)``
+  with observed ``c`` (PyMC's ``logpow``) takes ``log(1)`` where ``c = 0``, so the
+  derivative of a masked ``0 * log(0)`` (a Poisson rate of 0) is 0, not NaN.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import pytensor.tensor as pt
+from pytensor import scalar as ps_scalar
+from pytensor.gradient import DisconnectedGrad, disconnected_grad
 from pytensor.graph.basic import Constant
 from pytensor.graph.rewriting.basic import in2out, node_rewriter
 from pytensor.graph.rewriting.utils import rewrite_graph
@@ -44,7 +51,7 @@ from pytensor.tensor.subtensor import AdvancedSubtensor, Subtensor, get_idx_list
 
 from pymc_mcssvi.recognize.graph import holds_row_positions
 
-__all__ = ["log1mexp_negexp", "softplus_to_ufuncs", "stable_logp"]
+__all__ = ["log1mexp_negexp", "log_erfc", "softplus_to_ufuncs", "stable_logp"]
 
 
 def _const_value(v):
@@ -102,6 +109,60 @@ def _log1p_minus_half_erfc(fgraph, node):
     if match is None or not np.isclose(match[0], 0.5):
         return None
     return [np.log(0.5) + pt.log(pt.erfc(-match[1]))]
+
+
+class _PlainErfc(ps_math.Erfc):
+    """``erfc`` that PyTensor's ``log(erfc(x))`` stabilization does not match.
+
+    :func:`log_erfc` evaluates ``log(erfc(x))`` directly only where it is exact, and
+    must keep PyTensor from wrapping that piece in its own asymptotic ``switch``,
+    whose unused branch has ``0 * inf`` derivatives at ``x = 0``. The backends'
+    implementations of ``Erfc`` serve it unchanged.
+    """
+
+
+_plain_erfc = Elemwise(_PlainErfc(ps_math.upgrade_to_float_no_complex, name="erfc"))
+
+#: Above this ``x``, :func:`log_erfc` uses the asymptotic series (float64, float32).
+_ERFC_SERIES = {"float64": 12.0, "float32": 8.0}
+
+
+def log_erfc(x):
+    """``log(erfc(x))`` with finite derivatives of every order for every ``x``.
+
+    The log probability of a probit-type term (``log Phi(z) = log(erfc(-z / sqrt 2) / 2)``),
+    e.g. ``pm.SkewNormal``. PyTensor's own stabilization keeps the value finite,
+    but the derivatives of ``log(erfc(x))`` are ``0 / 0`` once ``erfc(x)``
+    underflows (``x > 26.5``), which the engine's Gauss-Hermite nodes reach. Above
+    12 (8 in float32) the asymptotic series ``-x^2 - log(x) - log(pi) / 2 +
+    log(1 - s + 3 s^2 - 15 s^3 + 105 s^4 - 945 s^5)``, ``s = 1 / (2 x^2)``, is exact
+    to 2e-11 (its next term); below, ``erfc`` itself is. Each piece's input is
+    clamped into its own range so the unused one has finite derivatives.
+
+    Examples
+    --------
+    >>> import numpy as np, pytensor, pytensor.tensor as pt
+    >>> x = pt.vector("x")
+    >>> d2 = pytensor.grad(pytensor.grad(log_erfc(x).sum(), x).sum(), x)
+    >>> np.isfinite(d2.eval({x: np.array([-40.0, 0.0, 12.0, 40.0, 1e4])})).all()
+    np.True_
+    """
+    t = _ERFC_SERIES.get(x.dtype, _ERFC_SERIES["float32"])
+    x_lo = pt.minimum(x, t)
+    x_hi = pt.maximum(x, t)
+    s = 0.5 / pt.sqr(x_hi)
+    poly = 1.0 + s * (-1.0 + s * (3.0 + s * (-15.0 + s * (105.0 - 945.0 * s))))
+    series = -pt.sqr(x_hi) - pt.log(x_hi) - 0.5 * np.log(np.pi) + pt.log(poly)
+    return pt.switch(x > t, series, pt.log(_plain_erfc(x_lo)))
+
+
+@node_rewriter([log])
+def _log_erfc(fgraph, node):
+    """``log(erfc(x)) -> log_erfc(x)`` (finite derivatives; see :func:`log_erfc`)."""
+    (arg,) = node.inputs
+    if arg.owner is None or arg.owner.op != erfc:
+        return None
+    return [log_erfc(arg.owner.inputs[0]).astype(node.outputs[0].dtype)]
 
 
 #: Below this ``x``, ``log(1 - exp(-exp(x))) = x - exp(x) / 2`` to double precision.
@@ -296,6 +357,66 @@ def softplus_to_ufuncs(fgraph, node):
     out = pt.maximum(x, 0) + pt.log1p(pt.exp(-pt.abs(x)))
     dtype = node.outputs[0].dtype
     return [out if out.dtype == dtype else out.astype(dtype)]
+
+
+def _constant_data(v):
+    """The array of a constant (through broadcasting ``DimShuffle``s), else ``None``."""
+    while v.owner is not None and isinstance(v.owner.op, DimShuffle):
+        v = v.owner.inputs[0]
+    return np.asarray(v.data) if isinstance(v, Constant) else None
+
+
+@node_rewriter([mul])
+def _zero_weighted_log(fgraph, node):
+    """``c * log(x) -> c * log(switch(c == 0, 1, x))`` for data ``c`` with zeros.
+
+    PyMC's ``logpow(x, c)`` (Poisson, binomial, ...: ``c`` the observed counts)
+    masks ``0 * log(0)`` with a ``switch``, but the masked branch's derivative
+    ``c / x = 0 / 0`` still reaches the gradient (the ``switch`` multiplies it by
+    0) unless a later canonicalization happens to sink the ``switch``: a Poisson
+    rate of 0 (a zero exposure) made every derivative NaN. Where ``c = 0`` the new
+    form is exactly 0 with derivative 0; elsewhere it is unchanged.
+    """
+    if len(node.inputs) != 2:
+        return None
+    for c, lg in (node.inputs, node.inputs[::-1]):
+        data = _constant_data(c)
+        if data is None or lg.owner is None or lg.owner.op != log or not (data == 0).any():
+            continue
+        (x,) = lg.owner.inputs
+        if (
+            x.owner is not None
+            and isinstance(x.owner.op, Elemwise)
+            and isinstance(x.owner.op.scalar_op, ps_scalar.Switch)
+        ):
+            return None  # already guarded
+        safe = pt.switch(pt.eq(c, 0), pt.ones((), dtype=x.dtype), x)
+        out = mul(c, pt.log(safe))
+        return [out if out.dtype == node.outputs[0].dtype else out.astype(node.outputs[0].dtype)]
+    return None
+
+
+@node_rewriter([Elemwise])
+def _comparison_without_gradient(fgraph, node):
+    """Comparisons pass no gradient to their inputs.
+
+    A comparison's derivative is 0, but PyTensor multiplies that 0 by its
+    input's derivative, which is infinite where masks are needed: PyMC's
+    ``logpow`` tests ``log(x) == -inf``, and ``0 * (1 / x)`` at ``x = 0`` made
+    every derivative of a Poisson with a zero rate (a zero exposure) NaN.
+    """
+    if not isinstance(node.op.scalar_op, ps_scalar.LogicalComparison):
+        return None
+    new = [
+        x
+        if isinstance(x, Constant)
+        or (x.owner is not None and isinstance(x.owner.op, DisconnectedGrad))
+        else disconnected_grad(x)
+        for x in node.inputs
+    ]
+    if all(a is b for a, b in zip(new, node.inputs, strict=True)):
+        return None
+    return [node.op(*new)]
 
 
 #: Stand-in for the infinite outer cutpoints of an ordered likelihood (``softplus``
@@ -519,11 +640,18 @@ def stable_logp(logp):
         ),
         clone=True,
     )
+    logp = rewrite_graph(logp, include=("canonicalize",))
+    logp = rewrite_graph(logp, include=(), custom_rewrite=in2out(_log_erfc), clone=True)
     logp = rewrite_graph(logp, include=("canonicalize", "stabilize"))
     logp = rewrite_graph(logp, include=(), custom_rewrite=in2out(_log1mexp_of_log1mexp), clone=True)
     return rewrite_graph(
         logp,
         include=(),
-        custom_rewrite=in2out(softplus_to_ufuncs, _log1mexp_of_negexp),
+        custom_rewrite=in2out(
+            softplus_to_ufuncs,
+            _log1mexp_of_negexp,
+            _zero_weighted_log,
+            _comparison_without_gradient,
+        ),
         clone=True,
     )

@@ -83,7 +83,15 @@ def test_nonlinear_fallback_exponential_decay():
     assert approx.converged
 
 
+#: Exposures of a piecewise-exponential survival model: zero after a subject's last interval.
+EXPOSURE = np.where(np.arange(200) % 3 == 0, 0.0, 1.5)
+
 LIKELIHOODS = {
+    # a rate of exactly 0 (PyMC masks 0 * log 0; the mask's derivative was 0 * inf = nan
+    # at every start: DivergenceError on the PyMC gallery's mastectomy model)
+    "poisson_zero_exposure": lambda eta, y: pm.Poisson(
+        "y", mu=EXPOSURE * pm.math.exp(eta), observed=y
+    ),
     "studentt": lambda eta, y: pm.StudentT("y", nu=4, mu=eta, sigma=0.8, observed=y),
     "probit": lambda eta, y: pm.Bernoulli("y", p=pm.math.invprobit(eta), observed=y),
     # complementary log-log, written the way users write it (failed at the start before
@@ -122,6 +130,8 @@ def _simulate(name, eta, rng):
         return rng.binomial(1, norm.cdf(eta))
     if name == "cloglog":
         return rng.binomial(1, -np.expm1(-np.exp(eta)))
+    if name == "poisson_zero_exposure":
+        return rng.poisson(EXPOSURE * np.exp(eta))
     if name == "binomial":
         return rng.binomial(8, 1 / (1 + np.exp(-eta)))
     if name == "negbinomial":
@@ -166,6 +176,27 @@ def test_ordered_logistic_with_learned_cutpoints():
     _compare(model, "ordered_logistic", ["w"], "hmcssvi", mean_tol=0.15, sd_tol=0.15)
 
 
+def test_skew_normal_with_learned_skewness():
+    """``pm.SkewNormal`` with learned ``sigma`` and ``alpha`` (hyperparameters): its
+    ``log(1 + erf(alpha z / sqrt 2))`` had 0/0 derivatives at the Gauss-Hermite nodes
+    of the wide start (``DivergenceError`` at the start in both hyper modes)."""
+    from scipy.stats import skewnorm
+
+    rng = np.random.default_rng(114)
+    x = rng.normal(size=200)
+    y = 1 + 0.7 * x + skewnorm.rvs(4, size=200, random_state=1)
+    with pm.Model() as model:
+        a = pm.Normal("a", 0, 5)
+        b = pm.Normal("b", 0, 2)
+        sigma = pm.HalfNormal("sigma", 2)
+        alpha = pm.Normal("alpha", 0, 5)
+        pm.SkewNormal("y", mu=a + b * x, sigma=sigma, alpha=alpha, observed=y)
+    _compare(model, "skew_normal", ["a", "b", "sigma", "alpha"], "hmcssvi", 0.15, 0.15)
+    with model:
+        approx = pm.fit(method="hmcssvi", hyper="point", random_seed=2, progressbar=False)
+    assert approx.converged and np.isfinite(approx.hist).all()
+
+
 @pytest.mark.parametrize("kind", ["identity_link_poisson", "hurdle_poisson"])
 def test_default_start_that_leaves_the_support_is_narrowed(kind, caplog):
     """Quadrature nodes of the wide default start reach negative rates (identity link)
@@ -183,8 +214,10 @@ def test_default_start_that_leaves_the_support_is_narrowed(kind, caplog):
             y = rng.poisson(np.exp(0.8 + 0.5 * x)) * (rng.uniform(size=400) < 0.6)
             pm.HurdlePoisson("y", psi=0.6, mu=pm.math.exp(b0 + b1 * x), observed=y)
     with caplog.at_level("INFO", logger="pymc_mcssvi"):
-        _compare(model, kind, ["b0", "b1"], "hmcssvi", mean_tol=0.1, sd_tol=0.1)
+        approx = _compare(model, kind, ["b0", "b1"], "hmcssvi", mean_tol=0.1, sd_tol=0.1)
     assert "not finite at the start" in caplog.text
+    # the iterations on the discarded start are not in the history (they were -ELBO = inf)
+    assert np.isfinite(approx.hist).all() and approx.n_iter == len(approx.hist)
 
 
 @pytest.mark.parametrize("prior", ["studentt", "laplace"])

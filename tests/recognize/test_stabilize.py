@@ -210,3 +210,59 @@ def test_censored_survival_times(kind):
     fd = (fn(far + h_)[0] - fn(far - h_)[0]) / (2 * h_)
     np.testing.assert_allclose(g[mid], fd[mid], rtol=1e-6, atol=1e-9)
     assert x.size == 4
+
+
+def _log_erfc_reference(x):
+    """log(erfc(x)) in 60-digit arithmetic: the continued fraction for x > 3, else the series."""
+    getcontext().prec = 60
+    out = []
+    for xi in x:
+        z = Decimal(float(xi))
+        if z > 3:
+            # erfc(z) = exp(-z^2) / sqrt(pi) * 1 / (z + 1/2 / (z + 1 / (z + 3/2 / (z + ...))))
+            frac = z
+            for k in range(400, 0, -1):
+                frac = z + Decimal(k) / 2 / frac
+            pi = Decimal("3.14159265358979323846264338327950288419716939937510582097494")
+            out.append(float(-z * z - (pi.sqrt() * frac).ln()))
+        else:
+            from scipy.special import erfc
+
+            out.append(float(np.log(erfc(float(xi)))))
+    return np.array(out)
+
+
+@pytest.mark.parametrize("fixed_alpha", [False, True])
+def test_skew_normal_derivatives_finite_far_out(fixed_alpha):
+    """``pm.SkewNormal``'s ``log(1 + erf(alpha z / sqrt 2))``: value as a 60-digit
+    reference, first derivatives (in the predictor and in ``alpha``) as finite
+    differences, both derivatives finite where ``erfc`` underflows; also at
+    ``alpha = 0`` (the point-mode start), where PyTensor's own asymptotic branch
+    has ``0 * inf`` derivatives."""
+    f, alpha = pt.vector("f"), pt.scalar("alpha")
+    y = np.zeros(7)
+    a = 3.0 if fixed_alpha else alpha
+    raw = remove_checks(pm.logp(pm.SkewNormal.dist(mu=f, sigma=1.0, alpha=a), y))
+    lp = stable_logp(raw)
+    d1 = pytensor.grad(lp.sum(), f)
+    d2 = pytensor.grad(d1.sum(), f)
+    outs = [lp, d1, d2]
+    if not fixed_alpha:
+        da = pytensor.grad(lp.sum(), alpha)
+        outs += [da, pytensor.grad(da, alpha)]
+    fn = pytensor.function([f, alpha], outs, on_unused_input="ignore")
+    x = np.array([-60.0, -8.0, 0.0, 3.0, 8.0, 12.0, 60.0])
+    vals = fn(x, 3.0)
+    assert all(np.isfinite(v).all() for v in vals)
+    # log 2 + log N(0 | f, 1) + log Phi(-3 f) with log Phi(t) = log(erfc(-t / sqrt 2) / 2)
+    # (PyMC divides by pt.sqrt(2), which PyTensor evaluates in float32)
+    sqrt2 = float(np.sqrt(np.float32(2)))
+    ref = -0.5 * np.log(2 * np.pi) - 0.5 * x**2 + _log_erfc_reference(3.0 * x / sqrt2)
+    np.testing.assert_allclose(vals[0], ref, rtol=1e-10)
+    h = 1e-6
+    fd = (fn(x + h, 3.0)[0] - fn(x - h, 3.0)[0]) / (2 * h)
+    np.testing.assert_allclose(vals[1], fd, rtol=1e-6, atol=1e-6)
+    if not fixed_alpha:
+        fda = (fn(x, 3.0 + h)[0].sum() - fn(x, 3.0 - h)[0].sum()) / (2 * h)
+        np.testing.assert_allclose(vals[3], fda, rtol=1e-6)
+        assert all(np.isfinite(v).all() for v in fn(x, 0.0))

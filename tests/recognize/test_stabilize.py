@@ -266,3 +266,18 @@ def test_skew_normal_derivatives_finite_far_out(fixed_alpha):
         fda = (fn(x, 3.0 + h)[0].sum() - fn(x, 3.0 - h)[0].sum()) / (2 * h)
         np.testing.assert_allclose(vals[3], fda, rtol=1e-6)
         assert all(np.isfinite(v).all() for v in fn(x, 0.0))
+
+
+def test_masks_stay_elementwise_when_batched():
+    """The comparisons' gradient stop is elementwise: batched over quadrature nodes it is
+    no ``Blockwise`` (a Python loop over the batch on the Python backend)."""
+    from pytensor.graph.replace import vectorize_graph
+    from pytensor.tensor.blockwise import Blockwise
+
+    from pymc_mcssvi.estimators.quadrature import derivative_graphs
+
+    f = pt.vector("f")
+    lp = stable_logp(remove_checks(pm.logp(pm.Poisson.dist(pm.math.exp(f)), np.array([0, 3]))))
+    batched = vectorize_graph(list(derivative_graphs(lp, f)), {f: pt.matrix("F")})
+    nodes = pytensor.graph.basic.applys_between([], batched)
+    assert not any(isinstance(n.op, Blockwise) for n in nodes)

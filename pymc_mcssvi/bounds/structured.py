@@ -94,6 +94,14 @@ class StructuredBound:
             n_rows = _static_if_constant(pt.cast(n_rows, "int64"))
             self.geometries.append(PredictorGeometry(term, tlm.segments, seg_of, n_rows))
         self.general = GeneralEstimator(tlm, n_draws=n_draws, fixed=fixed_draws, seed=seed)
+        affine = []
+        for term in tlm.bilinear_terms:
+            a = term.affine
+            if a is None:
+                affine.append(None)
+                continue
+            n_rows = _static_if_constant(pt.cast(pt.prod(pt.as_tensor(a.eta_shape)), "int64"))
+            affine.append(PredictorGeometry(a, tlm.segments, seg_of, n_rows))
         self.bilinear = BilinearEstimator(
             tlm,
             seg_of,
@@ -102,6 +110,7 @@ class StructuredBound:
             n_points=n_points,
             seed=seed,
             row_subsample=row_subsample,
+            affine_geometries=affine,
         )
         self.arrow_head = arrow_head(tlm)
 

@@ -77,12 +77,32 @@ class BilinearEstimator:
         At most this many observations per row of the factor being updated, a
         fresh random subset in every iteration (module docstring). ``None`` uses
         every observation.
+    affine_geometries : list, optional
+        Per bilinear term, the :class:`~pymc_mcssvi.estimators.predictor.PredictorGeometry`
+        of the terms added to its product (:attr:`BilinearTerm.affine`), or
+        ``None``. Under the factorized q those terms are a Gaussian independent
+        of both factors: their mean and variance add to those of ``f`` given a
+        point of the drawn factor, and their globals' ``g`` and ``H`` come from
+        the same expected derivatives, averaged over the points.
     """
 
     def __init__(
-        self, tlm, seg_of, parameterization, n_draws=4, n_points=8, seed=0, row_subsample=None
+        self,
+        tlm,
+        seg_of,
+        parameterization,
+        n_draws=4,
+        n_points=8,
+        seed=0,
+        row_subsample=None,
+        affine_geometries=None,
     ):
         self.tlm = tlm
+        self.affine_geometries = (
+            list(affine_geometries)
+            if affine_geometries is not None
+            else [None] * len(tlm.bilinear_terms)
+        )
         self.row_subsample = None if row_subsample is None else int(row_subsample)
         if self.row_subsample is not None and self.row_subsample < 1:
             raise ValueError(f"row_subsample must be a positive integer, got {row_subsample!r}")
@@ -269,12 +289,28 @@ class BilinearEstimator:
             H = H + bmm(bmm(A, G), pt.matrix_transpose(A))
         return g, H
 
-    def _side(self, term, E, draw, exact, draw_rows, exact_rows, M=None, obs=None, weight=None):
-        """``(T, g_obs, H_obs)`` for the factor ``exact``, with points of the factor ``draw``.
+    def _side(
+        self,
+        term,
+        E,
+        draw,
+        exact,
+        draw_rows,
+        exact_rows,
+        M=None,
+        obs=None,
+        weight=None,
+        affine=None,
+    ):
+        """``(T, g_obs, H_obs, rows, alpha, beta)`` for the factor ``exact``, with points of
+        the factor ``draw``.
 
         ``draw`` and ``exact`` are ``(mean, A)`` of all rows; ``M = A_x^T A_d`` per
         observation may be passed in (shared with the other side). ``obs`` and
-        ``weight`` restrict the observations (row subsampling).
+        ``weight`` restrict the observations (row subsampling). ``affine`` is the
+        mean and variance, per observation, of terms added to the product;
+        ``alpha`` and ``beta`` are then the expected derivatives per observation
+        (averaged over the points, weighted, restricted to ``obs``), else None.
         """
         (md, Ad), (mx, Ax) = draw, exact
         logp, ph = term.logp, term.placeholder
@@ -291,11 +327,19 @@ class BilinearEstimator:
         p = bmv(pt.matrix_transpose(Ax), md)
         ME = pt.tensordot(M, Ec, axes=[[2], [1]])  # (n, K, a)
         var = pt.sum(pt.square(p[:, :, None] + ME), axis=1).T
+        if affine is not None:
+            ma, va = affine if obs is None else (affine[0][obs], affine[1][obs])
+            mean, var = mean + ma[None, :], var + va[None, :]
         T, alpha, beta = expected_derivatives(logp, ph, mean, var, n_points=self.n_points)
         if weight is not None:
-            T, alpha, beta = T * weight, alpha * weight, beta * weight
+            T, alpha = T * weight, alpha * weight
+            beta = None if beta is None else beta * weight
         g_obs, H_obs = self._derivatives(E, md, Ad, alpha, beta, beta is not None)
-        return pt.mean(pt.sum(T, axis=-1)), g_obs, H_obs, exact_rows
+        a_obs = b_obs = None
+        if affine is not None:
+            a_obs = pt.mean(alpha, axis=0)
+            b_obs = None if beta is None else pt.mean(beta, axis=0)
+        return pt.mean(pt.sum(T, axis=-1)), g_obs, H_obs, exact_rows, a_obs, b_obs
 
     def expectations(self, states, covs, need_hessian=True, phase=None):
         """``(T_v, T_u, grads, hessians)``.
@@ -324,25 +368,38 @@ class BilinearEstimator:
         nseg = len(states)
         grads, hessians = [None] * nseg, [None] * nseg
         totals = [pt.constant(0.0), pt.constant(0.0)]
-        for k, ((term, su, sv), layout) in enumerate(zip(self.items, self.layouts, strict=True)):
+        # per side: g and H of the globals in terms added to a product (both sides
+        # estimate them; a phase uses its own side's, a full step their average)
+        extra = [([None] * nseg, [None] * nseg), ([None] * nseg, [None] * nseg)]
+        means = [st.mean for st in states]
+        items = zip(self.items, self.layouts, self.affine_geometries, strict=True)
+        for k, ((term, su, sv), layout, geom) in enumerate(items):
             K = states[su].mean.type.shape[1]
             s, d = term.left_rows, term.right_rows
             U = (states[su].mean, self._square_root(states[su]))
             V = (states[sv].mean, self._square_root(states[sv]))
             E_u, E_v = self._points(K, 2 * k), self._points(K, 2 * k + 1)
+            affine = designs = None
+            if geom is not None:
+                designs = geom.prepare()
+                ma, va = geom.moments(means, covs, designs)
+                affine = (ma, pt.maximum(va, 0.0))
             if layout is None:
                 M = bmm(pt.matrix_transpose(V[1][d]), U[1][s])  # A_v^T A_u
+                subsets = [(None, None), (None, None)]
                 sides = [
-                    self._side(term, E_u, U, V, s, d, M=M),
-                    self._side(term, E_v, V, U, d, s, M=pt.matrix_transpose(M)),
+                    self._side(term, E_u, U, V, s, d, M=M, affine=affine),
+                    self._side(term, E_v, V, U, d, s, M=pt.matrix_transpose(M), affine=affine),
                 ]
             else:
-                (obs_v, w_v), (obs_u, w_u) = self._subsample(layout[1]), self._subsample(layout[0])
+                subsets = [self._subsample(layout[1]), self._subsample(layout[0])]
+                (obs_v, w_v), (obs_u, w_u) = subsets
                 sides = [
-                    self._side(term, E_u, U, V, s, d, obs=obs_v, weight=w_v),
-                    self._side(term, E_v, V, U, d, s, obs=obs_u, weight=w_u),
+                    self._side(term, E_u, U, V, s, d, obs=obs_v, weight=w_v, affine=affine),
+                    self._side(term, E_v, V, U, d, s, obs=obs_u, weight=w_u, affine=affine),
                 ]
-            for i, (seg, (T, g_obs, H_obs, rows)) in enumerate(zip((sv, su), sides, strict=True)):
+            for i, (seg, side) in enumerate(zip((sv, su), sides, strict=True)):
+                T, g_obs, H_obs, rows, a_obs, b_obs = side
                 totals[i] = totals[i] + T
                 R, Kdim = states[seg].mean.type.shape
                 g = pt.inc_subtensor(pt.zeros((R, Kdim))[rows], g_obs)
@@ -350,18 +407,43 @@ class BilinearEstimator:
                 if need_hessian:
                     H = pt.inc_subtensor(pt.zeros((R, Kdim, Kdim))[rows], H_obs)
                     hessians[seg] = H if hessians[seg] is None else hessians[seg] + H
+                if geom is None:
+                    continue
+                obs = subsets[i][0]
+                if obs is not None:  # back to all observations (0 where not drawn)
+                    n = affine[0].shape[0]
+                    a_obs = pt.inc_subtensor(pt.zeros((n,))[obs], a_obs)
+                    if b_obs is not None:
+                        b_obs = pt.inc_subtensor(pt.zeros((n,))[obs], b_obs)
+                extra[i] = geom.accumulate(
+                    a_obs, b_obs if need_hessian else None, *extra[i], designs
+                )
         if phase is None:
+            for s in range(nseg):
+                for out, i in ((grads, 0), (hessians, 1)):
+                    parts = [extra[0][i][s], extra[1][i][s]]
+                    if parts[0] is not None:
+                        half = 0.5 * (parts[0] + parts[1])
+                        out[s] = half if out[s] is None else out[s] + half
             return totals[0], totals[1], grads, hessians
-        return self._one_side(phase, states, totals, grads, hessians)
+        return self._one_side(phase, states, totals, grads, hessians, extra)
 
-    def _one_side(self, phase, states, totals, grads, hessians):
-        """Only phase ``phase``'s side: ``ifelse`` on the phase, zeros for the other factor."""
+    def _one_side(self, phase, states, totals, grads, hessians, extra):
+        """Only phase ``phase``'s side: ``ifelse`` on the phase, zeros for the other factor;
+        the globals of terms added to a product take that side's ``extra`` (g, H)."""
         moved = self.phase_segments(len(states))
+        for s in range(len(states)):  # a segment in added terms only
+            if grads[s] is None and extra[0][0][s] is not None:
+                grads[s] = pt.zeros_like(extra[0][0][s])
+                if extra[0][1][s] is not None:
+                    hessians[s] = pt.zeros_like(extra[0][1][s])
         segs = [s for s in range(len(states)) if grads[s] is not None]
         outs = [[totals[i]] for i in range(2)]
         for i in range(2):
             for s in segs:
                 arrays = [grads[s]] + ([hessians[s]] if hessians[s] is not None else [])
+                added = [extra[i][0][s], extra[i][1][s]][: len(arrays)]
+                arrays = [a if e is None else a + e for a, e in zip(arrays, added, strict=True)]
                 outs[i] += [
                     a if s in moved[i] else pt.zeros(a.type.shape, dtype=a.dtype) for a in arrays
                 ]

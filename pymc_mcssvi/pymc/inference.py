@@ -479,9 +479,10 @@ class StructuredVI(Inference):
                 if mixed:
                     raise ValueError(
                         f"row_subsample needs a likelihood that depends on the factors only through "
-                        f"the product (U[s] * V[d]).sum(-1); the predictor of {mixed[0]!r} adds other "
-                        "terms of the model's variables (biases, an intercept), so it is fitted by "
-                        "Monte Carlo + autodiff over all of them: drop row_subsample"
+                        f"the product (U[s] * V[d]).sum(-1), plus terms affine in other variables "
+                        f"(biases, an intercept); the predictor of {mixed[0]!r} adds other terms to "
+                        "it or transforms it, so it is fitted by Monte Carlo + autodiff over all of "
+                        "them: drop row_subsample"
                     )
                 raise ValueError(
                     "row_subsample applies to matrix factorization (bilinear predictors); "

@@ -43,6 +43,7 @@ __all__ = [
     "identity_as_input",
     "log1mexp_as_ufuncs",
     "per_element_ops",
+    "split_wide_sums",
     "python_few_calls_mode",
     "python_linker",
     "python_step_mode",
@@ -198,6 +199,36 @@ def identity_as_input(fgraph, node):
     return _as_output(node.inputs[0], node)
 
 
+#: Most operands of one element-wise node in Python mode (``Elemwise.perform``'s limit).
+MAX_PYTHON_OPERANDS = 32
+
+
+@node_rewriter([Elemwise])
+def split_wide_sums(fgraph, node):
+    """A sum or product of more operands than ``Elemwise.perform`` takes (32) -> nested ones.
+
+    Canonicalization merges nested additions into one node: the bound of a matrix
+    factorization with row and column biases, averaged over q(h)'s sigma points,
+    became one ``Add`` of 35 terms, which the Python VM refuses to evaluate.
+
+    Examples
+    --------
+    >>> import numpy as np, pytensor, pytensor.tensor as pt
+    >>> xs = [pt.scalar(f"x{i}") for i in range(40)]
+    >>> fn = pytensor.function(xs, pt.add(*xs), mode=python_step_mode())
+    >>> float(fn(*np.ones(40)))
+    40.0
+    """
+    if not _scalar_op_is(node, Add | Mul) or len(node.inputs) < MAX_PYTHON_OPERANDS:
+        return None
+    op, size = node.op, MAX_PYTHON_OPERANDS - 1
+    parts = [
+        op(*node.inputs[i : i + size]) if len(node.inputs[i : i + size]) > 1 else node.inputs[i]
+        for i in range(0, len(node.inputs), size)
+    ]
+    return _as_output(op(*parts), node)
+
+
 def per_element_ops(fgraph) -> list[str]:
     """Element-wise nodes of ``fgraph`` the Python VM evaluates one element at a time.
 
@@ -228,6 +259,7 @@ UFUNC_REWRITES = (
     softplus_to_ufuncs,
     log1mexp_as_ufuncs,
     clip_as_ufuncs,
+    split_wide_sums,
 )
 
 

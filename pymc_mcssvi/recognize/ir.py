@@ -208,7 +208,12 @@ class BilinearTerm:
     left_rows, right_rows : TensorVariable
         Integer row indices, one per observation.
     placeholder, logp
-        Elementwise log density as a function of ``f``.
+        Elementwise log density as a function of the predictor: the product
+        ``f``, plus :attr:`affine` when there is one.
+    affine : PredictorTerm or None
+        Terms added to the product that are affine in the other Gaussian
+        globals (row and column biases, an intercept, fixed effects): the
+        predictor is ``f + affine`` (its ``logp`` and ``placeholder`` are unused).
     """
 
     name: str
@@ -218,6 +223,7 @@ class BilinearTerm:
     right_rows: Variable
     placeholder: Variable
     logp: Variable
+    affine: PredictorTerm | None = None
 
 
 @dataclass

@@ -450,15 +450,98 @@ def bilinear_term(
     placeholder = pt.vector(f"{name}_product", dtype=eta.dtype, shape=eta.type.shape[:1])
     expanded = placeholder.dimshuffle(0, *["x"] * (eta.ndim - 1)) if eta.ndim > 1 else placeholder
     replaced = graph_replace(logp, {eta: expanded}, strict=False)
+    affine = None
     if depends_on_any(replaced, gvalues):
-        return None
+        if eta.ndim != 1:
+            return None
+        mixed = _plus_affine(name, replaced, placeholder, gvalues, gshapes, {left, right}, eta)
+        if mixed is None:
+            return None
+        replaced, placeholder, affine = mixed
     if not is_separable(replaced, placeholder):
         lin = _Linearizer(gvalues, gshapes)
         if point is None or not _entrywise_in_predictor(
             replaced, placeholder, lin.shape_of(eta), point
         ):
             return None
-    return BilinearTerm(name, left, right, lrows, rrows, placeholder, stable_logp(replaced))
+    return BilinearTerm(name, left, right, lrows, rrows, placeholder, stable_logp(replaced), affine)
+
+
+def _flat_addends(v):
+    """The addends of ``v`` through nested elementwise additions."""
+    if (
+        v.owner is not None
+        and isinstance(v.owner.op, Elemwise)
+        and isinstance(v.owner.op.scalar_op, ps.Add)
+    ):
+        return [a for i in v.owner.inputs for a in _flat_addends(i)]
+    return [v]
+
+
+def _leading(v, ndim):
+    """``v`` (an addend of a sum of ``ndim`` dimensions whose trailing axes broadcast)
+    without its trailing broadcast axes: one dimension, or 0 for a scalar; else None."""
+    if v.ndim == 0:
+        return v
+    if v.ndim != ndim or not all(v.type.broadcastable[1:]):
+        return None
+    if v.owner is not None and isinstance(v.owner.op, DimShuffle):
+        inner = v.owner.inputs[0]
+        if tuple(v.owner.op.new_order) == (*range(inner.ndim), *["x"] * (ndim - inner.ndim)):
+            if inner.ndim <= 1:
+                return inner
+    return v.dimshuffle(0) if ndim > 1 else v
+
+
+def _plus_affine(name, logp, product, gvalues, gshapes, factor_sources, eta):
+    """``(logp, placeholder, affine)`` for a log density of ``product + a(w)``.
+
+    ``product`` stands for the bilinear product inside ``logp``; ``a`` must be
+    affine in Gaussian globals other than the two factors (row and column
+    biases, an intercept, fixed effects: ``mu + a[s] + b[d] + (U[s] * V[d]).sum(-1)``).
+    The largest sum that holds ``product`` once becomes the new placeholder; the
+    sum may be taken after a trailing axis was added to each addend (an
+    ordered likelihood's ``eta[:, None]``, which PyMC's rewrites push through the
+    addition). Returns None when there is no such sum.
+    """
+    best = None
+    for node in io_toposort(list(graph_inputs([logp])), [logp]):
+        if not (isinstance(node.op, Elemwise) and isinstance(node.op.scalar_op, ps.Add)):
+            continue
+        out = node.outputs[0]
+        if out.ndim < 1 or not all(out.type.broadcastable[1:]):
+            continue
+        addends = _flat_addends(out)
+        lead = [_leading(a, out.ndim) for a in addends]
+        if any(x is None for x in lead) or sum(x is product for x in lead) != 1:
+            continue
+        if best is None or len(addends) > len(best[1]):
+            best = (out, lead)
+    if best is None:
+        return None
+    total, addends = best
+    rest = [a for a in addends if a is not product]
+    lin = _Linearizer(gvalues, gshapes)
+    form = lin(rest[0] if len(rest) == 1 else pt.add(*rest))
+    if form is None or not form.terms or (form.sources & factor_sources):
+        return None
+    placeholder = pt.vector(f"{name}_predictor", dtype=total.dtype, shape=total.type.shape[:1])
+    expanded = placeholder.dimshuffle(0, *["x"] * (total.ndim - 1))
+    out = graph_replace(logp, {total: expanded}, strict=False)
+    if depends_on_any(out, gvalues) or depends_on_any(out, [product]):
+        return None
+    shape = (lin.shape_of(eta)[0],)
+    check_indices(name, lin)
+    affine = PredictorTerm(
+        name=f"{name} (terms added to the product)",
+        eta_shape=shape,
+        offset=form.offset,
+        terms=flatten_terms(form.terms, shape),
+        placeholder=None,
+        logp=None,
+        form=_form_of(form.terms),
+    )
+    return out, placeholder, affine
 
 
 def _product_operands(v):

@@ -53,6 +53,8 @@ MAX_GENERAL_DIM = 2000
 #: ``describe``'s form (and the general term's reason) of a bilinear product with
 #: other terms of the globals next to it.
 MIXED_BILINEAR = "general (bilinear + other terms)"
+#: ``describe``'s form of a bilinear product plus terms affine in other globals.
+BILINEAR_PLUS = "bilinear + affine"
 
 
 def recognize(
@@ -182,7 +184,7 @@ def _recognize(model, cov, bound, inner, n_inner) -> TwoLevelModel:
         if bil is not None:
             bilinear_terms.append(bil)
             bilinear_sources.update({bil.left, bil.right})
-            forms[obs.name] = "bilinear" + suffix
+            forms[obs.name] = ("bilinear" if bil.affine is None else BILINEAR_PLUS) + suffix
             continue
         found = find_bilinear(logp, gvalues, gshapes)
         # A product with other terms of the globals (row/column biases, an intercept)
@@ -216,8 +218,10 @@ def _recognize(model, cov, bound, inner, n_inner) -> TwoLevelModel:
             "write the likelihood through an affine predictor (e.g. X @ w) or reduce the number of Gaussian globals",
         )
 
-    joint = _joint_blocks(predictor_terms, gaussians)
-    crossed = _crossed_factors(predictor_terms, gaussians, joint)
+    # the terms added to a bilinear product read the globals as any affine predictor
+    affine_terms = predictor_terms + [b.affine for b in bilinear_terms if b.affine is not None]
+    joint = _joint_blocks(affine_terms, gaussians)
+    crossed = _crossed_factors(affine_terms, gaussians, joint)
     structure = resolve_structure(
         gaussians, cov, joint, row_blocks=bilinear_sources, crossed=crossed
     )

@@ -280,3 +280,162 @@ def test_einsum_and_batched_matmul_spellings_fit_like_the_sum(rng, likelihood):
             means[name] = pymc_mcssvi.HMCSSVI(random_seed=1).fit(20, progressbar=False).mean.eval()
     np.testing.assert_allclose(means["einsum"], means["sum"], rtol=1e-10, atol=1e-12)
     np.testing.assert_allclose(means["matmul"], means["sum"], rtol=1e-10, atol=1e-12)
+
+
+def _pmf_with_biases(rng, R=7, C=5, K=2, n=30, sigma=0.5):
+    s = rng.integers(0, R, n)
+    d = rng.integers(0, C, n)
+    x = rng.normal(size=n)
+    y = rng.normal(size=n)
+    with pm.Model() as m:
+        mu = pm.Normal("mu", 0, 2.0)
+        beta = pm.Normal("beta", 0, 1.5)
+        a = pm.Normal("a", 0, 0.7, shape=R)
+        b = pm.Normal("b", 0, 0.6, shape=C)
+        U = pm.Normal("U", 0, 1.3, shape=(R, K))
+        V = pm.Normal("V", 0, 0.8, shape=(C, K))
+        eta = mu + beta * x + a[s] + b[d] + (U[s] * V[d]).sum(-1)
+        pm.Normal("y", eta, sigma, observed=y)
+    return m, s, d, x, y
+
+
+def test_terms_added_to_the_product_take_the_exact_conditional_step(rng):
+    """Biases, an intercept and a fixed effect next to the product (``bilinear +
+    affine``): with a Gaussian likelihood and sigma points, one step with ``rho = 1``
+    puts their q at the exact conditional posterior given q(U) and q(V), and the
+    rows of U at Lim & Teh's update with the biases' mean subtracted from y."""
+    m, s, d, x, y = _pmf_with_biases(rng)
+    R, C, K, sigma = 7, 5, 2, 0.5
+    assert describe(m).predictor("y") == "bilinear + affine"
+    with m:
+        inf = pymc_mcssvi.MCSSVI(schedule=1.0, hyper="point", bilinear_draws="sigma")
+    k, segs = inf.kernel, inf.tlm.segments
+    names = [g.name for g in inf.tlm.gaussians]
+    seg_of = {names[g]: i for i, seg in enumerate(segs) for g in seg.members}
+    su, sv, sb = seg_of["U"], seg_of["V"], seg_of["mu"]
+    assert {seg_of[v] for v in ("beta", "a", "b")} == {sb}
+    mv = rng.normal(size=(C, K))
+    Sv = np.stack([np.diag(rng.uniform(0.1, 0.5, K)) + 0.05 for _ in range(C)])
+    k.cand_mean[sv].set_value(mv)
+    k.cand_factor[sv].set_value(np.linalg.cholesky(np.linalg.inv(Sv)))
+    mu_now = rng.normal(size=(R, K))
+    k.cand_mean[su].set_value(mu_now)
+    mb_now = rng.normal(size=k.cand_mean[sb].get_value().shape)
+    k.cand_mean[sb].set_value(mb_now)
+    step = inf._step_function()
+    step()  # accepts the current state and takes the phase-1 step (U and the biases)
+    # the biases' segment, in its own coordinate order
+    seg = segs[sb]
+    order = {}
+    for g in seg.members:
+        for j, (r_, c_) in enumerate(zip(seg.row_of[g], seg.col_of[g], strict=True)):
+            order[(names[g], j)] = r_ * seg.k + c_
+    cols = [("mu", 0), ("beta", 0)] + [("a", i) for i in range(R)] + [("b", j) for j in range(C)]
+    idx = np.array([order[c] for c in cols])
+    X = np.zeros((len(y), 2 + R + C))
+    X[:, 0], X[:, 1] = 1.0, x
+    X[np.arange(len(y)), 2 + s] = 1.0
+    X[np.arange(len(y)), 2 + R + d] = 1.0
+    prior = np.diag([1 / 2.0**2, 1 / 1.5**2] + [1 / 0.7**2] * R + [1 / 0.6**2] * C)
+    P = prior + X.T @ X / sigma**2
+    f_mean = (mu_now[s] * mv[d]).sum(-1)
+    want_m = np.linalg.solve(P, X.T @ (y - f_mean) / sigma**2)
+    L = k.cand_factor[sb].get_value()[0]
+    got_P = (L @ L.T)[np.ix_(idx, idx)]
+    got_m = k.cand_mean[sb].get_value().reshape(-1)[idx]
+    np.testing.assert_allclose(got_P, P, rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(got_m, want_m, rtol=1e-8, atol=1e-10)
+    # rows of U: Lim & Teh with the residual of the biases' current mean
+    bias_mean = X @ mb_now.reshape(-1)[idx]
+    Lu = k.cand_factor[su].get_value()
+    got_Pu, got_mu = Lu @ Lu.transpose(0, 2, 1), k.cand_mean[su].get_value()
+    for i in range(R):
+        Pi, bi = np.eye(K) / 1.3**2, np.zeros(K)
+        for n in np.flatnonzero(s == i):
+            j = d[n]
+            Pi += (np.outer(mv[j], mv[j]) + Sv[j]) / sigma**2
+            bi += (y[n] - bias_mean[n]) * mv[j] / sigma**2
+        np.testing.assert_allclose(got_Pu[i], Pi, rtol=1e-10)
+        np.testing.assert_allclose(got_mu[i], np.linalg.solve(Pi, bi), rtol=1e-9, atol=1e-12)
+
+
+def test_row_subsampling_is_unbiased_with_terms_added_to_the_product(rng):
+    """The biases' g and H come from each side's subset of observations, scattered back
+    to all observations with the subset's weights: unbiased like the factors'."""
+    from pymc.pytensorf import compile
+
+    from pymc_mcssvi.bounds.structured import StructuredBound
+    from pymc_mcssvi.families.gaussian import GaussianBlocks
+
+    R, C, K, n = 6, 5, 2, 70
+    s, d = rng.integers(0, R, n), rng.integers(0, C, n)
+    with pm.Model() as m:
+        a = pm.Normal("a", 0, 1, shape=R)
+        b = pm.Normal("b", 0, 1, shape=C)
+        U = pm.Normal("U", 0, 1, shape=(R, K))
+        V = pm.Normal("V", 0, 1, shape=(C, K))
+        eta = 0.3 + a[s] + b[d] + (U[s] * V[d]).sum(-1)
+        pm.Bernoulli("y", logit_p=eta, observed=rng.integers(0, 2, n))
+    tlm = describe(m).tlm
+    assert describe(m).predictor("y") == "bilinear + affine"
+    states = []
+    for seg in tlm.segments:
+        A = rng.normal(size=(seg.rows, seg.k, seg.k)) * 0.2 + np.eye(seg.k) * 1.5
+        states.append(
+            GaussianBlocks(pt_const(rng.normal(size=(seg.rows, seg.k))), pt_const(np.tril(A)))
+        )
+
+    def outputs(bound):
+        ev = bound.evaluate(states)
+        return compile([], [*ev.phase_values, *ev.grads, *ev.hessians], random_seed=0)
+
+    full = outputs(StructuredBound(tlm, bilinear_draws="sigma"))()
+    sub = outputs(StructuredBound(tlm, bilinear_draws="sigma", row_subsample=3, seed=5))
+    draws = [sub() for _ in range(3000)]
+    for i, want in enumerate(full):
+        got = np.stack([np.asarray(x[i]) for x in draws])
+        se = got.std(0) / np.sqrt(len(got)) + 1e-12
+        assert np.all(np.abs(got.mean(0) - want) < 5 * se + 1e-9), i
+
+
+def test_binary_pmf_with_biases_predictive_probabilities_close_to_nuts():
+    """Row and column biases and an intercept next to the product (``bilinear +
+    affine``, formerly Monte Carlo + autodiff over all of them): held-out predictive
+    probabilities against NUTS, same tolerance as without biases."""
+    rng = np.random.default_rng(23)
+    R, C, K = 12, 10, 2
+    U0, V0 = rng.normal(size=(R, K)), rng.normal(size=(C, K))
+    a0, b0 = rng.normal(0, 0.7, R), rng.normal(0, 0.7, C)
+    ii, jj = np.meshgrid(np.arange(R), np.arange(C), indexing="ij")
+    perm = rng.permutation(R * C)
+    s, d = ii.ravel()[perm], jj.ravel()[perm]
+    n = R * C - 20
+    y = rng.binomial(1, expit(0.4 + a0[s] + b0[d] + (U0[s] * V0[d]).sum(-1)))
+    with pm.Model() as model:
+        mu = pm.Normal("mu", 0, 1.5)
+        a = pm.Normal("a", 0, 0.7, shape=R)
+        b = pm.Normal("b", 0, 0.7, shape=C)
+        U = pm.Normal("U", 0, 1, shape=(R, K))
+        V = pm.Normal("V", 0, 1, shape=(C, K))
+        eta = mu + a[s[:n]] + b[d[:n]] + pm.math.sum(U[s[:n]] * V[d[:n]], axis=1)
+        pm.Bernoulli("y", logit_p=eta, observed=y[:n])
+    assert describe(model).predictor("y") == "bilinear + affine"
+
+    def predictive(idata):
+        p = idata.posterior
+        Ud, Vd = p["U"].values.reshape(-1, R, K), p["V"].values.reshape(-1, C, K)
+        ad, bd = p["a"].values.reshape(-1, R), p["b"].values.reshape(-1, C)
+        eta = p["mu"].values.reshape(-1, 1) + ad[:, s[n:]] + bd[:, d[n:]]
+        return expit(eta + np.einsum("snk,snk->sn", Ud[:, s[n:]], Vd[:, d[n:]])).mean(0)
+
+    ref = predictive(nuts_draws(model, "binary_pmf_biases"))
+    with model:
+        approx = pm.fit(
+            method="hmcssvi",
+            progressbar=False,
+            random_seed=1,
+            max_iter=3000,
+            inf_kwargs={"bilinear_draws": "sigma"},
+        )
+    diff = np.abs(predictive(approx.sample(4000, random_seed=2)) - ref)
+    assert diff.max() < 0.09 and diff.mean() < 0.05, (diff.max(), diff.mean())

@@ -146,18 +146,28 @@ def test_minibatch_without_total_size_warns():
             pymc_mcssvi.MCSSVI()
 
 
-def test_matrix_factorization_with_biases_names_the_general_path():
-    """Row/column biases next to the product: the likelihood is not a function of the
-    product alone, so the term is fitted by Monte Carlo + autodiff; describe says so and
-    row_subsample (which needs the product alone) is refused with the reason."""
+def test_matrix_factorization_with_other_terms_names_the_general_path():
+    """Row biases *added* to the product are the bilinear estimator's (``bilinear +
+    affine``, row_subsample allowed); a product *scaled* by another variable is not a
+    function of the product alone, so the term is fitted by Monte Carlo + autodiff;
+    describe says so and row_subsample (which needs the product) is refused with the
+    reason."""
     rng = np.random.default_rng(0)
     R, C, K, n = 8, 6, 2, 60
     r, c = rng.integers(0, R, n), rng.integers(0, C, n)
-    with pm.Model() as m:
-        a = pm.Normal("a", 0, 1, shape=R)
-        U = pm.Normal("U", 0, 1, shape=(R, K))
-        V = pm.Normal("V", 0, 1, shape=(C, K))
-        pm.Bernoulli("y", logit_p=a[r] + (U[r] * V[c]).sum(-1), observed=rng.integers(0, 2, n))
-    assert pymc_mcssvi.describe(m).predictor("y") == "general (bilinear + other terms)"
-    with m, pytest.raises(ValueError, match=r"predictor of 'y' adds other terms"):
-        pymc_mcssvi.HMCSSVI(row_subsample=3)
+    for scaled in (False, True):
+        with pm.Model() as m:
+            a = pm.Normal("a", 0, 1, shape=R)
+            U = pm.Normal("U", 0, 1, shape=(R, K))
+            V = pm.Normal("V", 0, 1, shape=(C, K))
+            prod = (U[r] * V[c]).sum(-1)
+            eta = a[r] * prod if scaled else a[r] + prod
+            pm.Bernoulli("y", logit_p=eta, observed=rng.integers(0, 2, n))
+        if not scaled:
+            assert pymc_mcssvi.describe(m).predictor("y") == "bilinear + affine"
+            with m:
+                pymc_mcssvi.HMCSSVI(row_subsample=3)
+            continue
+        assert pymc_mcssvi.describe(m).predictor("y") == "general (bilinear + other terms)"
+        with m, pytest.raises(ValueError, match=r"predictor of 'y' adds other terms"):
+            pymc_mcssvi.HMCSSVI(row_subsample=3)

@@ -439,3 +439,32 @@ def test_binary_pmf_with_biases_predictive_probabilities_close_to_nuts():
         )
     diff = np.abs(predictive(approx.sample(4000, random_seed=2)) - ref)
     assert diff.max() < 0.09 and diff.mean() < 0.05, (diff.max(), diff.mean())
+
+
+@pytest.mark.parametrize("spelling", ["sum", "einsum"])
+def test_ordered_likelihood_with_a_bias_is_bilinear_plus_affine(rng, spelling):
+    """PyMC's ordered likelihoods add a trailing axis to ``eta`` and its rewrites push
+    it through the sum ``bias + product``: the sum is still found (it went to the
+    general path, whose memory grew past 24 GB on a 40 x 30 factorization)."""
+    import pytensor.tensor as pt
+
+    R, C, K, n = 8, 6, 2, 40
+    s, d = rng.integers(0, R, n), rng.integers(0, C, n)
+    with pm.Model() as m:
+        a = pm.Normal("a", 0, 1, shape=R)
+        U = pm.Normal("U", 0, 1, shape=(R, K))
+        V = pm.Normal("V", 0, 1, shape=(C, K))
+        prod = (U[s] * V[d]).sum(-1) if spelling == "sum" else pt.einsum("nk,nk->n", U[s], V[d])
+        cut = pm.Normal(
+            "cut",
+            0,
+            3,
+            shape=3,
+            transform=pm.distributions.transforms.ordered,
+            initval=np.array([-1.0, 0.0, 1.0]),
+        )
+        pm.OrderedLogistic("y", eta=a[s] + prod, cutpoints=cut, observed=rng.integers(0, 4, n))
+    assert describe(m).predictor("y") == "bilinear + affine"
+    with m:
+        approx = pm.fit(n=30, method="hmcssvi", random_seed=1, progressbar=False)
+    assert np.isfinite(approx.hist).all()

@@ -34,10 +34,12 @@ from __future__ import annotations
 import numpy as np
 import pytensor.tensor as pt
 from pytensor.conditional import ifelse
+from pytensor.conditional.op import IfElse
 from pytensor.graph.basic import Constant
 from pytensor.graph.fg import MissingInputError
-from pytensor.graph.replace import clone_replace
+from pytensor.graph.replace import _vectorize_node, clone_replace
 from pytensor.graph.traversal import io_toposort
+from pytensor.tensor.blockwise import vectorize_node_fallback
 
 from pymc_mcssvi.estimators.quadrature import expected_derivatives
 from pymc_mcssvi.exceptions import UnsupportedModelError
@@ -45,6 +47,36 @@ from pymc_mcssvi.families.gaussian import GaussianBlocks, _lower_inverse, bmm, b
 from pymc_mcssvi.recognize.graph import depends_on_any, evaluate_static, holds_row_positions
 
 __all__ = ["BilinearEstimator"]
+
+
+@_vectorize_node.register(IfElse)
+def _vectorize_ifelse(op, node, cond, *inputs):
+    """An ``ifelse`` on an unbatched condition batched over its branches' leading axes.
+
+    The phase switch of a matrix factorization's step (:meth:`BilinearEstimator._one_side`)
+    is batched over q(h)'s sigma points when prior scales are hyperparameters; the
+    default, a ``Blockwise`` of the lazy ``IfElse``, cannot run on the Python backend.
+    Both branches are broadcast to the batch shape (inside the branch, so the lazy
+    evaluation still computes only the chosen one).
+    """
+    if cond.type.ndim > node.inputs[0].type.ndim:  # a batched condition: elementwise choice
+        return vectorize_node_fallback(op, node, cond, *inputs)
+    n = op.n_outs
+    old = node.inputs[1:]
+    batch = max(new.ndim - o.ndim for new, o in zip(inputs, old, strict=True))
+    if batch == 0:
+        return op.make_node(cond, *inputs)
+    padded = [
+        pt.shape_padleft(new, batch - (new.ndim - o.ndim))
+        for new, o in zip(inputs, old, strict=True)
+    ]
+    then, other = [], []
+    for t, e in zip(padded[:n], padded[n:], strict=True):
+        t, e = pt.broadcast_arrays(t, e)
+        then.append(t)
+        other.append(e)
+    outs = ifelse(cond, then, other, name=op.name)
+    return outs if isinstance(outs, list) else [outs]
 
 
 def _row_positions(v, n, m):

@@ -111,6 +111,22 @@ def test_learned_prior_scales_are_hyperparameters(rng):
     assert roles["sigma_U"] == roles["sigma_V"] == "hyperparameter"
 
 
+def test_learned_prior_scales_with_row_subsampling_fit(rng):
+    """The phase switch of the subsampled step, batched over q(h)'s sigma points, stays
+    an ``ifelse`` (a ``Blockwise`` of it failed on the Python backend: ``TypeError:
+    'NoneType' object is not subscriptable``)."""
+    s, d, y = _entries(rng)
+    with pmf(s, d, y, R, C, K, prior_sd=None):
+        approx = pm.fit(
+            n=12,
+            method="hmcssvi",
+            random_seed=1,
+            progressbar=False,
+            row_subsample=3,
+        )
+    assert np.isfinite(approx.hist).all()
+
+
 def test_offline_loaders():
     ins = load_insteval("binary")
     r, c, y = ins["train"]

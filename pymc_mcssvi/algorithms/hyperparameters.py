@@ -36,10 +36,12 @@ import pytensor.tensor as pt
 from pytensor.gradient import jacobian
 from pytensor.graph.basic import Constant
 from pytensor.graph.replace import graph_replace, vectorize_graph
-from pytensor.graph.rewriting.basic import node_rewriter
-from pytensor.graph.traversal import graph_inputs, io_toposort
+from pytensor.graph.rewriting.basic import in2out, node_rewriter
+from pytensor.graph.rewriting.utils import rewrite_graph
+from pytensor.graph.traversal import ancestors, graph_inputs, io_toposort
 from pytensor.tensor.basic import Alloc, Split
 from pytensor.tensor.blockwise import Blockwise
+from pytensor.tensor.math import Prod
 from pytensor.tensor.random.op import RandomVariable
 from pytensor.tensor.shape import Shape, Shape_i
 
@@ -412,6 +414,39 @@ def joint_newton_step(
     return JointStep(dh, shifts, pshifts, curvature, U)
 
 
+@node_rewriter([Prod])
+def _prod_without_zeros(fgraph, node):
+    if node.op.no_zeros_in_input:
+        return None
+    op = node.op
+    new = Prod(axis=op.axis, dtype=op.dtype, acc_dtype=op.acc_dtype, no_zeros_in_input=True)
+    return [new(*node.inputs)]
+
+
+def twice_differentiable_products(outputs):
+    """``outputs`` with every ``prod`` marked as free of zeros, so that it has a second
+    derivative (PyTensor's has none otherwise: ``NullTypeGradError``).
+
+    A multi-dimensional HSGP's spectral density multiplies its length scales
+    (``pt.prod``); the point hyperparameters' Newton step differentiates it twice.
+    The first derivative, ``prod(x) / x``, is the same away from zeros.
+
+    Examples
+    --------
+    >>> import pytensor, pytensor.tensor as pt
+    >>> x = pt.vector("x")
+    >>> (y,) = twice_differentiable_products([pt.prod(x) ** 2])
+    >>> h = pytensor.gradient.hessian(y, x)
+    >>> h.eval({x: [1.0, 2.0]}).tolist()
+    [[8.0, 8.0], [8.0, 2.0]]
+    """
+    if not any(
+        n.owner is not None and isinstance(n.owner.op, Prod) for n in ancestors(list(outputs))
+    ):
+        return list(outputs)
+    return rewrite_graph(list(outputs), include=(), custom_rewrite=in2out(_prod_without_zeros))
+
+
 class PointHyperparameters:
     """Type-II ML / MAP estimates of the hyperparameters (see the module docstring)."""
 
@@ -431,6 +466,8 @@ class PointHyperparameters:
     def evaluate(self, outputs, n_values=1):
         """Outputs at the candidate ``h``, plus finiteness and the derivatives in ``h``."""
         outs = graph_replace(outputs, self.spec.replacements(self.cand), strict=False)
+        if self.spec.optimizer is None:  # the Newton step differentiates twice
+            outs = twice_differentiable_products(outs)
         value = outs[0]
         ok = pt.isfinite(value)
         grad = pt.grad(pt.switch(ok, value, 0.0), self.cand)

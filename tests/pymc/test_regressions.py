@@ -373,3 +373,20 @@ def test_minibatch_with_group_scales_warns(form):
             pymc_mcssvi.HMCSSVI()
     hit = [w for w in caught if "With pm.Minibatch" in str(w.message)]
     assert len(hit) == (0 if form == "no_groups" else 1)
+
+
+def test_two_dimensional_hsgp_with_point_hyperparameters():
+    """A 2-D HSGP's spectral density multiplies its length scales (``pt.prod``), which
+    PyTensor cannot differentiate twice; the point hyperparameters' Newton step raised
+    ``NullTypeGradError``. Its products are now marked free of zeros."""
+    rng = np.random.default_rng(22)
+    X = rng.uniform(-1, 1, (120, 2))
+    y = rng.binomial(1, 1 / (1 + np.exp(-2 * np.sin(2 * X[:, 0]) * np.cos(2 * X[:, 1]))))
+    with pm.Model():
+        ls = pm.InverseGamma("ls", 4, 3)
+        eta = pm.HalfNormal("eta", 1.5)
+        gp = pm.gp.HSGP(m=[4, 4], c=1.5, cov_func=eta**2 * pm.gp.cov.ExpQuad(2, ls=ls))
+        pm.Bernoulli("y", logit_p=gp.prior("f", X=X), observed=y)
+        approx = pm.fit(method="hmcssvi", hyper="point", random_seed=1, progressbar=False)
+    assert np.isfinite(approx.hist).all()
+    assert np.isfinite(approx.sample(50, random_seed=2).posterior["f"].values).all()

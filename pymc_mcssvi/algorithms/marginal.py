@@ -816,7 +816,13 @@ def data_coordinates(refits) -> DataCoordinates | None:
     0.8 NUTS sd off. Smaller changes are kept without the check: the direction
     two crossed effects share is data-held even where each coordinate alone
     would fit ``m_0`` better (and keeping it brought grouseticks' predictor
-    sds from 1.33x to 1.16x NUTS's). Covariances are averaged with all scales.
+    sds from 1.33x to 1.16x NUTS's). Past the same change a coordinate is data-held
+    at all (``held``: its noise and covariance scale too) only if its re-fitted
+    sds follow ``sd_k = sd_0 exp(-ls_k)`` at least as well as they stay put (in
+    log sds, summed over the profile points): the moderately high frequencies of
+    an HSGP next to group effects, held by their prior, had draws with sds of
+    3-78 where NUTS's are at most 1. Covariances are averaged with the scales of
+    the held coordinates.
 
     Examples
     --------
@@ -843,18 +849,28 @@ def data_coordinates(refits) -> DataCoordinates | None:
     for s in range(nseg):
         sens = [np.asarray(r.sensitivity[s], dtype="float64") for r in refits]
         ls = np.stack(sensitivity_log_scales(sens))
-        held.append(sens[0] > SENSITIVITY_FLOOR * (np.max(sens[0]) if sens[0].size else 0.0))
         sd = np.stack(
             [
                 np.sqrt(np.diagonal(_block_covariance(r.factors[s]), axis1=-2, axis2=-1))
                 for r in refits
             ]
         )
+        moderate = np.max(np.abs(ls), axis=0) <= MAX_MEAN_LOG_SCALE
+        # past MAX_MEAN_LOG_SCALE a coordinate is data-held only if its re-fitted sds
+        # follow the scale (sd_k = sd_0 exp(-ls_k)) at least as well as they stay put
+        with np.errstate(invalid="ignore", divide="ignore"):
+            log_sd = np.log(sd / sd[0])
+            sd_misfit = np.stack([np.sum((log_sd + g * ls) ** 2, axis=0) for g in (0.0, 1.0)])
+        sd_misfit = np.where(np.isfinite(sd_misfit), sd_misfit, np.inf)
+        held.append(
+            (sens[0] > SENSITIVITY_FLOOR * (np.max(sens[0]) if sens[0].size else 0.0))
+            & (moderate | (sd_misfit[1] <= sd_misfit[0]))
+        )
+        ls = np.where(held[-1], ls, 0.0)
         m = np.stack([np.asarray(r.means[s]) for r in refits])
         with np.errstate(invalid="ignore", over="ignore"):
             misfit = np.sum(((m - m[0] * np.exp(-grid * ls)) / sd) ** 2, axis=1)
         misfit = np.where(np.isfinite(misfit), misfit, np.inf)
-        moderate = np.max(np.abs(ls), axis=0) <= MAX_MEAN_LOG_SCALE
         follows.append(held[-1] & (moderate | (misfit[1] <= misfit[0])))
         for i in range(len(refits)):
             out[i][s] = ls[i]

@@ -827,15 +827,16 @@ def data_coordinates(refits) -> DataCoordinates | None:
     Examples
     --------
     A coordinate whose mean follows ``1 / sigma`` and one whose mean follows
-    ``sigma^2``, both with columns ``sigma`` (at ``sigma`` 1, 30 and 60, log
-    scales past :data:`MAX_MEAN_LOG_SCALE`):
+    ``sigma^2``, both with columns ``sigma`` and sds ``1 / sigma`` (precision
+    factors ``sigma``; at ``sigma`` 1, 30 and 60, log scales past
+    :data:`MAX_MEAN_LOG_SCALE`):
 
     >>> import numpy as np
-    >>> f = [np.eye(2)[None]]
+    >>> f = lambda s: [s * np.eye(2)[None]]
     >>> sens = lambda s: [np.array([[s * s, s * s]])]
-    >>> refits = [Refit(0.0, [np.array([[1.0, 1.0]])], f, 0, sens(1.0)),
-    ...           Refit(0.0, [np.array([[1 / 30, 900.0]])], f, 0, sens(30.0)),
-    ...           Refit(0.0, [np.array([[1 / 60, 3600.0]])], f, 0, sens(60.0))]
+    >>> refits = [Refit(0.0, [np.array([[1.0, 1.0]])], f(1.0), 0, sens(1.0)),
+    ...           Refit(0.0, [np.array([[1 / 30, 900.0]])], f(30.0), 0, sens(30.0)),
+    ...           Refit(0.0, [np.array([[1 / 60, 3600.0]])], f(60.0), 0, sens(60.0))]
     >>> dc = data_coordinates(refits)
     >>> dc.follows[0].tolist(), [np.round(x[0], 3).tolist() for x in dc.mean_log_scales()]
     ([[True, False]], [[[0.0, 0.0]], [[3.401, 0.0]], [[4.094, 0.0]]])

@@ -461,7 +461,7 @@ def bilinear_term(
     if not is_separable(replaced, placeholder):
         lin = _Linearizer(gvalues, gshapes)
         if point is None or not _entrywise_in_predictor(
-            replaced, placeholder, lin.shape_of(eta), point
+            replaced, placeholder, lin.shape_of(eta)[:1], point
         ):
             return None
     return BilinearTerm(name, left, right, lrows, rrows, placeholder, stable_logp(replaced), affine)

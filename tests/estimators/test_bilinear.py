@@ -468,3 +468,23 @@ def test_ordered_likelihood_with_a_bias_is_bilinear_plus_affine(rng, spelling):
     with m:
         approx = pm.fit(n=30, method="hmcssvi", random_seed=1, progressbar=False)
     assert np.isfinite(approx.hist).all()
+
+
+def test_vecdot_spelling_under_an_ordered_likelihood_is_bilinear(rng):
+    """``pt.vecdot(U[s], V[d])`` is a batched matmul of ``(n, 1, 1)``; under an ordered
+    likelihood the graph is checked entry by entry, which was given the product's
+    three-axis shape instead of the predictor's and failed (general path)."""
+    import pytensor.tensor as pt
+
+    R, C, K, n = 8, 6, 2, 40
+    s, d = rng.integers(0, R, n), rng.integers(0, C, n)
+    with pm.Model() as m:
+        U = pm.Normal("U", 0, 1, shape=(R, K))
+        V = pm.Normal("V", 0, 1, shape=(C, K))
+        pm.OrderedLogistic(
+            "y",
+            eta=pt.vecdot(U[s], V[d]),
+            cutpoints=np.array([-1.0, 0.0, 1.0]),
+            observed=rng.integers(0, 4, n),
+        )
+    assert describe(m).predictor("y") == "bilinear"

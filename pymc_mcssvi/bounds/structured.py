@@ -88,20 +88,15 @@ class StructuredBound:
         self.estimator = estimator
         self.n_points = n_points
         seg_of = {gid: s for s, seg in enumerate(tlm.segments) for gid in seg.members}
-        self.geometries = []
-        for term in tlm.predictor_terms:
+
+        def geometry(term):
             n_rows = pt.prod(pt.as_tensor(term.eta_shape)) if term.eta_shape else pt.constant(1)
             n_rows = _static_if_constant(pt.cast(n_rows, "int64"))
-            self.geometries.append(PredictorGeometry(term, tlm.segments, seg_of, n_rows))
+            return PredictorGeometry(term, tlm.segments, seg_of, n_rows)
+
+        self.geometries = [geometry(term) for term in tlm.predictor_terms]
         self.general = GeneralEstimator(tlm, n_draws=n_draws, fixed=fixed_draws, seed=seed)
-        affine = []
-        for term in tlm.bilinear_terms:
-            a = term.affine
-            if a is None:
-                affine.append(None)
-                continue
-            n_rows = _static_if_constant(pt.cast(pt.prod(pt.as_tensor(a.eta_shape)), "int64"))
-            affine.append(PredictorGeometry(a, tlm.segments, seg_of, n_rows))
+        affine = [None if t.affine is None else geometry(t.affine) for t in tlm.bilinear_terms]
         self.bilinear = BilinearEstimator(
             tlm,
             seg_of,

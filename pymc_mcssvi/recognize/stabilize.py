@@ -56,13 +56,16 @@ __all__ = ["log1mexp_negexp", "log_erfc", "softplus_to_ufuncs", "stable_logp"]
 
 
 def _const_value(v):
-    if isinstance(v, Constant):
-        data = np.asarray(v.data)
-        if data.size == 1:
-            return float(data.reshape(-1)[0])
-    if v.owner is not None and v.owner.op.__class__.__name__ == "DimShuffle":
-        return _const_value(v.owner.inputs[0])
-    return None
+    """The value of a one-element constant (through ``DimShuffle``s), else ``None``."""
+    data = _constant_data(v)
+    return float(data.reshape(-1)[0]) if data is not None and data.size == 1 else None
+
+
+def _constant_data(v):
+    """The array of a constant (through broadcasting ``DimShuffle``s), else ``None``."""
+    while v.owner is not None and isinstance(v.owner.op, DimShuffle):
+        v = v.owner.inputs[0]
+    return np.asarray(v.data) if isinstance(v, Constant) else None
 
 
 def _scaled_erfc(v):
@@ -360,13 +363,6 @@ def softplus_to_ufuncs(fgraph, node):
     return [out if out.dtype == dtype else out.astype(dtype)]
 
 
-def _constant_data(v):
-    """The array of a constant (through broadcasting ``DimShuffle``s), else ``None``."""
-    while v.owner is not None and isinstance(v.owner.op, DimShuffle):
-        v = v.owner.inputs[0]
-    return np.asarray(v.data) if isinstance(v, Constant) else None
-
-
 @node_rewriter([mul])
 def _zero_weighted_log(fgraph, node):
     """``c * log(x) -> c * log(switch(c == 0, 1, x))`` for data ``c`` with zeros.
@@ -647,8 +643,11 @@ def stable_logp(logp):
         ),
         clone=True,
     )
-    logp = rewrite_graph(logp, include=("canonicalize",))
-    logp = rewrite_graph(logp, include=(), custom_rewrite=in2out(_log_erfc), clone=True)
+    # canonicalize exposes ``log(erfc(.))`` (``1 + erf(x) -> erfc(-x)``) before PyTensor's
+    # stabilize pass would take it
+    logp = rewrite_graph(
+        logp, include=("canonicalize",), custom_rewrite=in2out(_log_erfc), clone=True
+    )
     logp = rewrite_graph(logp, include=("canonicalize", "stabilize"))
     logp = rewrite_graph(logp, include=(), custom_rewrite=in2out(_log1mexp_of_log1mexp), clone=True)
     return rewrite_graph(

@@ -245,7 +245,9 @@ class StructuredGaussianGroup(Group):
             on, V, s, T, _, _ = self.marginal
             skewed = self.center[None, :] + (s * table_transform(eps, T)) @ V.T
             out = pt.switch(pt.eq(on, 1), skewed, out)
-        return out
+        # the fit's tables are float64: draws in floatX, as PyMC's groups give them
+        # (``sample_node`` substitutes them for floatX value variables)
+        return out.astype(eps.dtype)
 
     @node_property
     def center(self):
@@ -352,7 +354,8 @@ class PointGroup(Group):
     @node_property
     def symbolic_random(self):
         point = self.shared_params["point"]
-        return pt.broadcast_to(point[None, :], (self.symbolic_initial.shape[0], self.ddim))
+        eps = self.symbolic_initial
+        return pt.broadcast_to(point[None, :], (eps.shape[0], self.ddim)).astype(eps.dtype)
 
     @node_property
     def mean(self):
@@ -392,7 +395,7 @@ class RayleighGroup(Group):
         z = self.symbolic_initial
         log_phi_minus = pt.log(0.5 * pt.erfc(z / np.sqrt(2.0)))  # log Phi(-z)
         E = -log_phi_minus
-        return pt.log(self._scale_vector())[None, :] + 0.5 * pt.log(2.0 * E)
+        return (pt.log(self._scale_vector())[None, :] + 0.5 * pt.log(2.0 * E)).astype(z.dtype)
 
     @node_property
     def mean(self):

@@ -326,10 +326,13 @@ class StructuredVI(Inference):
         bit-identical results.
     start : dict, optional
         Starting values (constrained space, by variable name).
-    start_sigma : float, default 1.0
+    start_sigma : float or dict, default 1.0
         Initial standard deviation of q for every Gaussian global; scaled down
         (all coordinates alike) when it would give a linear predictor an sd
-        above :data:`START_PREDICTOR_SD` (unstandardized covariates).
+        above :data:`START_PREDICTOR_SD` (unstandardized covariates). As for
+        ``pm.ADVI``, a dict gives sds by variable name (unconstrained space,
+        scalars or arrays of the variable's shape; others start at 1, and
+        q(h) of a named hyperparameter starts at the given sd instead of 0.1).
     cov : {"auto", "full", "block", "diag"} or dict, optional
         Covariance structure of q per Gaussian global.
     hyper : {"meanfield", "point"}, optional
@@ -633,9 +636,7 @@ class StructuredVI(Inference):
         flat = np.concatenate(
             [np.asarray(point[g.value.name], dtype="float64").reshape(-1) for g in tlm.gaussians]
         )
-        sigma = float(start_sigma)
-        if not np.isfinite(sigma) or sigma <= 0:
-            raise ValueError(f"start_sigma must be a positive number, got {start_sigma!r}")
+        sigma, hyper_sd = _start_sigmas(start_sigma, tlm, dim, offsets)
         if tlm.bilinear_terms and start is None:
             # U = V = 0 is a saddle point of a matrix factorization: break the symmetry.
             rng = np.random.default_rng(0 if self.random_seed is None else self.random_seed)
@@ -646,11 +647,12 @@ class StructuredVI(Inference):
         means, factors = [], []
         for seg, idx in zip(tlm.segments, maps, strict=True):
             means.append(flat[idx])
-            eye = np.broadcast_to(np.eye(seg.k), (seg.rows, seg.k, seg.k)).copy()
+            sd = sigma[idx]  # (rows, k)
+            eye = np.broadcast_to(np.eye(seg.k), (seg.rows, seg.k, seg.k))
             if self.algorithm.parameterization == "precision":
-                factors.append(eye / sigma)
+                factors.append(eye / sd[:, None, :])
             else:
-                factors.append(eye * sigma)
+                factors.append(eye * sd[:, None, :])
         self._flat_maps = maps
         hyper = None
         if tlm.hypers:
@@ -662,6 +664,7 @@ class StructuredVI(Inference):
                 [h.shape for h in tlm.hypers],
                 init,
                 hyper_optimizer,
+                init_sd=HyperSpec.init_sd if hyper_sd is None else hyper_sd,
                 fixed_shapes=bool(covariance_hyperparameters(tlm, self.model)),
             )
         return means, factors, hyper
@@ -990,13 +993,26 @@ class StructuredVI(Inference):
         """
         if kwargs:
             unknown = ", ".join(sorted(kwargs))
-            raise TypeError(f"{type(self).__name__}.fit() got unexpected arguments: {unknown}")
+            raise TypeError(
+                f"{type(self).__name__}.fit() got unexpected arguments: {unknown}. The natural-"
+                "gradient steps take no optimizer or Monte Carlo settings: the step size is set "
+                "by `schedule` and `rho0`, the mean step by `mean_optimizer`, passed to the "
+                "inference (`pm.fit(..., inf_kwargs=...)` or directly to pm.fit)"
+            )
         if n is not None:
             if not isinstance(n, int | np.integer) or n <= 0:
                 raise ValueError(f"n must be a positive integer (number of iterations), got {n!r}")
         if max_iter <= 0:
             raise ValueError(f"max_iter must be positive, got {max_iter!r}")
         callbacks = list(callbacks or [])
+        if _data_changed(self.approx.fitted_data_values, self.model):
+            # ``pm.set_data`` since the last fit: the stored bound (and the derivatives
+            # behind the pending candidate) are the old data's, against which every step
+            # would be judged. The current q is re-evaluated on the new data and accepted.
+            k = self.kernel
+            k.reset_candidate()
+            k.base_bound.set_value(-np.inf)
+            k.base_phase.set_value(np.full_like(k.base_phase.get_value(), -np.inf))
         if getattr(self, "_marginal", None) is not None:
             self._marginal[0].set_value(np.int8(0))  # recomputed at the end of this fit
         if getattr(self, "_view", None) is not None:
@@ -1423,6 +1439,65 @@ def _flatten(flat_maps, size, blocks) -> np.ndarray:
     for b, idx in zip(blocks, flat_maps, strict=True):
         out[idx.reshape(-1)] = np.asarray(b).reshape(-1)
     return out
+
+
+def _start_sigmas(start_sigma, tlm, dim, offsets):
+    """Initial sds of q: ``(flat sds of the Gaussian globals, flat sds of q(h) or None)``.
+
+    ``start_sigma`` is a positive number for every Gaussian global, or (as for
+    ``pm.ADVI``) a dict from free variables' names (or their value variables') to sds
+    of their unconstrained values, scalars or arrays of their shape; a variable not in
+    the dict starts at 1 (q(h) at ``HyperSpec.init_sd``).
+    """
+    if not isinstance(start_sigma, dict):
+        try:
+            sd = float(start_sigma)
+        except (TypeError, ValueError):
+            sd = np.nan
+        if not np.isfinite(sd) or sd <= 0:
+            raise ValueError(
+                f"start_sigma must be a positive number or a dict of them by variable name, "
+                f"got {start_sigma!r}"
+            )
+        return np.full(dim, sd), None
+    sigma = np.ones(dim)
+    n_h = sum(h.size for h in tlm.hypers)
+    hyper_sd = np.full(n_h, HyperSpec.init_sd)
+    where = {}
+    for gid, g in enumerate(tlm.gaussians):
+        where[g.name] = where[g.value.name] = (sigma, offsets[gid], g.size, g.shape)
+    off = 0
+    for h in tlm.hypers:
+        where[h.name] = where[h.value.name] = (hyper_sd, off, h.size, h.shape)
+        off += h.size
+    for name, value in start_sigma.items():
+        if name not in where:
+            raise ValueError(
+                f"start_sigma: {name!r} is not a free variable of the model fitted by the "
+                f"structured q (free variables: {', '.join(g.name for g in tlm.gaussians)}"
+                + "".join(f", {h.name}" for h in tlm.hypers)
+                + ")"
+            )
+        target, o, n, shape = where[name]
+        try:
+            sd = np.broadcast_to(np.abs(np.asarray(value, dtype="float64")), shape).reshape(-1)
+        except ValueError:
+            raise ValueError(
+                f"start_sigma[{name!r}] has shape {np.shape(value)}; {name!r} has shape {shape}"
+            ) from None
+        if not np.all(np.isfinite(sd) & (sd > 0)):
+            raise ValueError(f"start_sigma[{name!r}] must be positive and finite, got {value!r}")
+        target[o : o + n] = sd
+    return sigma, (hyper_sd if n_h else None)
+
+
+def _data_changed(fitted: dict, model) -> bool:
+    """Whether a shared data container or dim length of ``model`` differs from ``fitted``
+    (:func:`_data_values` at the end of the last fit; empty before the first)."""
+    return any(
+        not np.array_equal(np.asarray(var.get_value(borrow=True)), value)
+        for var, value in fitted.items()
+    )
 
 
 def _data_values(model) -> dict:

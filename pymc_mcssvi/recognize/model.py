@@ -259,7 +259,7 @@ def _check_imputation(model):
 
 
 def _check_observed_data(model, obs):
-    """NaN or infinite observed data; NaN in data arrays the likelihood reads.
+    """Empty, NaN or infinite observed data; NaN in data arrays the likelihood reads.
 
     Parameters may legitimately be infinite (censoring and truncation bounds),
     so only NaN is an error outside the observed values.
@@ -275,6 +275,13 @@ def _check_observed_data(model, obs):
         if data is None:
             continue
         data = np.asarray(data)
+        if v is value and data.size == 0:
+            raise UnsupportedModelError(
+                obs.name,
+                f"its observed data are empty (shape {data.shape}): there is nothing to fit",
+                "check the data (a filter or a split that removed every row?), or remove the "
+                "likelihood and use pm.sample_prior_predictive for the prior",
+            )
         if data.dtype.kind != "f":
             continue
         if v is value and not np.all(np.isfinite(data)):

@@ -266,6 +266,13 @@ def assign_roles(model) -> Roles:
         A discrete free variable that is not a local; no Gaussian or Rayleigh global.
     """
     free = list(model.free_RVs)
+    if not free:
+        raise UnsupportedModelError(
+            ", ".join(rv.name for rv in model.observed_RVs) or model.name or "(model)",
+            "the model has no free random variables: there is nothing to infer",
+            "give the unknown quantities priors, or simulate from the model with "
+            "pm.sample_prior_predictive",
+        )
     values = {rv: model.rvs_to_values[rv] for rv in free}
     ip = model.initial_point()
     vshape = {rv: tuple(np.shape(ip[values[rv].name])) for rv in free}

@@ -168,6 +168,53 @@ def test_refine_continues(data):
     assert len(approx.hist) == 7
 
 
+def test_start_sigma_by_variable_name(data):
+    """``start_sigma`` as ``pm.ADVI`` takes it, a dict by variable name (RV or value
+    variable), sets the initial sds of those variables' q; a name that is not a free
+    variable or an array of the wrong shape is a ValueError naming it."""
+    with linreg(*data):
+        inf = HMCSSVI(start_sigma={"w": [0.1, 0.2], "sigma_log__": 0.05})
+        P = np.linalg.inv(inf.approx.groups[0].cov.eval())
+        order = inf.approx.groups[0].ordering
+        sd_w = 1 / np.sqrt(np.diag(P)[order["w"][1]])
+        np.testing.assert_allclose(sd_w, [0.1, 0.2])
+        L_h = inf.kernel.hypers.base_factor.get_value()[0]
+        np.testing.assert_allclose(1 / np.diag(L_h), [0.05])
+        with pytest.raises(ValueError, match="'nope' is not a free variable"):
+            HMCSSVI(start_sigma={"nope": 1.0})
+        with pytest.raises(ValueError, match=r"start_sigma\['w'\] has shape \(3,\)"):
+            HMCSSVI(start_sigma={"w": [1.0, 2.0, 3.0]})
+        approx = pm.fit(method="hmcssvi", start_sigma={"b0": 0.5}, progressbar=False)
+    assert np.isfinite(approx.hist[-1])
+
+
+def test_continuing_after_set_data_fits_the_new_data():
+    """``pm.set_data`` between two ``fit`` calls of one inference object (as with
+    ``pm.ADVI``): the second call fits the new data. Every step used to be judged against
+    the stored bound of the old data and rejected, q stayed put and a DivergenceError
+    followed. Relabelled groups: the effects' means come back permuted, the bound equal."""
+    rng = np.random.default_rng(0)
+    n, G = 200, 10
+    g = rng.integers(0, G, n)
+    x = rng.normal(size=n)
+    y = rng.poisson(np.exp(0.2 + 0.4 * x + rng.normal(0, 0.5, G)[g]))
+    with pm.Model() as model:
+        gd = pm.Data("g", g)
+        b = pm.Normal("b", 0, 2, shape=2)
+        u = pm.Normal("u", 0, 1, shape=G)
+        pm.Poisson("y", pm.math.exp(b[0] + b[1] * x + u[gd]), observed=y)
+        inf = HMCSSVI(random_seed=1)
+    inf.fit(progressbar=False)
+    u_old, elbo_old = inf.approx.mean_data["u"].values.copy(), inf.hist[-1]
+    perm = np.roll(np.arange(G), 3)
+    with model:
+        pm.set_data({"g": perm[g]})
+    inf.fit(n=30, progressbar=False)
+    u_new = inf.approx.mean_data["u"].values
+    np.testing.assert_allclose(u_new[perm], u_old, atol=1e-4)
+    assert abs(inf.hist[-1] - elbo_old) < 1e-6 * abs(elbo_old)
+
+
 def _glmm_and_gme():
     rng = np.random.default_rng(0)
     g = rng.integers(0, 8, 120)

@@ -50,6 +50,25 @@ def test_infinite_observed_data():
             pm.fit(method="mcssvi")
 
 
+def test_no_free_variables():
+    """A model without free variables was reported as a variable named '(none)' with the
+    advice to use ADVI, which fails on it too."""
+    with pm.Model():
+        pm.Normal("y", 0, 1, observed=np.zeros(5))
+        with pytest.raises(UnsupportedModelError, match="'y'.*no free random variables"):
+            pm.fit(method="hmcssvi")
+
+
+def test_empty_observed_data():
+    """A likelihood with no rows (a filter that removed every row) failed inside PyTensor
+    (``Alloc static input type and target shape are incompatible``)."""
+    with pm.Model():
+        w = pm.Normal("w", 0, 1, shape=2)
+        pm.Bernoulli("y", logit_p=np.zeros((0, 2)) @ w, observed=np.zeros(0))
+        with pytest.raises(UnsupportedModelError, match="'y'.*observed data are empty"):
+            pm.fit(method="hmcssvi")
+
+
 def test_missing_values_imputed_by_pymc():
     with pm.Model():
         w = pm.Normal("w", 0, 1)

@@ -312,7 +312,11 @@ def test_float32_model_samples():
             approx = inf.fit(progressbar=False)
         assert int(inf._marginal[0].get_value()) == 1  # the skewed q(h) was computed
         post = approx.sample(200, random_seed=2).posterior
+        # sample_node substitutes the draws for float32 value variables: they were float64
+        # (the fit's tables), a TypeError inside PyMC's graph replacement
+        node = approx.sample_node(sd * a, size=10).eval()
     assert np.all(np.isfinite(post["a"].values))
+    assert node.dtype == np.float32 and node.shape == (10, 8) and np.all(np.isfinite(node))
 
 
 def test_mixture_with_a_scale_per_component_fits():

@@ -21,7 +21,13 @@ from pymc_mcssvi.algorithms.marginal import grid_interpolation, node_interpolati
 from pymc_mcssvi.families.gaussian import GaussianBlocks, covariance, sample
 from pymc_mcssvi.pymc.python_vm import graph_building
 
-__all__ = ["ConditionalView", "PointGroup", "StructuredApproximation", "StructuredGaussianGroup"]
+__all__ = [
+    "ConditionalView",
+    "LowerTriangle",
+    "PointGroup",
+    "StructuredApproximation",
+    "StructuredGaussianGroup",
+]
 
 
 class ConditionalView(NamedTuple):
@@ -70,6 +76,31 @@ class ConditionalView(NamedTuple):
     scale_masks: object
     moments: object
     moment_factors: list
+
+
+class LowerTriangle:
+    """The lower triangles of a shared stack of triangular factors, read-only:
+    ``get_value()`` is the ``(..., K (K + 1) / 2)`` entries on and below the diagonal.
+
+    Examples
+    --------
+    >>> import numpy as np, pytensor
+    >>> f = pytensor.shared(np.array([[[1.0, 0.0], [2.0, 3.0]]]), name="factor")
+    >>> LowerTriangle(f).get_value().tolist()
+    [[1.0, 2.0, 3.0]]
+    """
+
+    def __init__(self, shared):
+        self.shared = shared
+        self.name = shared.name
+
+    def get_value(self, borrow=False):
+        value = self.shared.get_value(borrow=True)
+        i, j = np.tril_indices(value.shape[-1])
+        return value[..., i, j]
+
+    def __repr__(self):
+        return f"LowerTriangle({self.name})"
 
 
 def _scatter(target, idx, values):
@@ -155,6 +186,16 @@ class StructuredGaussianGroup(Group):
             **{f.name: f for f in self.shared_factors},
         }
         self._finalize_init()
+
+    @property
+    def params(self):
+        """The means, and the factors' lower triangles (:class:`LowerTriangle`).
+
+        The factors' structural zeros are left out: PyMC's
+        ``CheckParametersConvergence`` (default ``diff="relative"``) reads a
+        constant 0 as a relative change of 1 and never stopped a fit.
+        """
+        return [*self.shared_means, *map(LowerTriangle, self.shared_factors)]
 
     def _responses(self):
         """``(hyper_group, [(U_s, flat_map_s), ...])`` or ``None``."""

@@ -122,6 +122,22 @@ def test_sample_node_and_callbacks(data):
     assert draws.shape == (500, 2)
 
 
+def test_check_parameters_convergence_with_its_defaults_stops_the_fit(data):
+    """PyMC's ``CheckParametersConvergence()`` (``diff="relative"``) compares the flattened
+    ``approx.params``: the factors' structural zeros counted as a relative change of 1
+    and the fit ran all ``n`` iterations although q had stopped moving."""
+    with linreg(*data):
+        approx = pm.fit(
+            n=1000,
+            method="hmcssvi",
+            progressbar=False,
+            callbacks=[CheckParametersConvergence(every=50)],
+        )
+    assert approx.n_iter == 100
+    flat = np.concatenate([p.get_value().ravel() for p in approx.params])
+    assert np.all(flat != 0.0)
+
+
 def test_same_seed_is_bit_identical(data):
     X, y = data
     Xm, ym = pm.Minibatch(X, y, batch_size=32)

@@ -30,6 +30,7 @@ from rich.console import Console
 from rich.progress import Progress, TextColumn
 from threadpoolctl import threadpool_limits
 
+from pymc_mcssvi.algorithms.averaging import IterateAverage
 from pymc_mcssvi.algorithms.hmcssvi import HMCSSVIStep
 from pymc_mcssvi.algorithms.hyperparameters import (
     HyperSpec,
@@ -104,6 +105,12 @@ logger = logging.getLogger("pymc_mcssvi")
 
 #: Consecutive rejected steps after which the fit is declared divergent.
 MAX_REJECTIONS = 40
+#: Iterations per window of the stochastic stopping rule (bound averages compared
+#: between the last two windows; ``pm.Minibatch`` fits: the averaged q's means too).
+STOCHASTIC_WINDOW = 50
+#: ``pm.Minibatch`` fits stop only when the iterate average's means moved by at most
+#: this many of its sds (root mean square over the coordinates) in the last window.
+STOCHASTIC_MEAN_TOL = 0.1
 #: Largest departure (in log scale) of the data coordinates' scales from a sum over
 #: q(h)'s axes for which the axes' values are used on the whole grid.
 ADDITIVE_LOG_SCALE_TOL = 0.02
@@ -1048,6 +1055,8 @@ class StructuredVI(Inference):
                 for i in range(total):
                     prev = float(self.kernel.base_bound.get_value())
                     base, cand, accepted, rho = step()
+                    if self._averaged:
+                        self._average_iterate()
                     scores[i] = -float(base)
                     gains.append(float(cand) - prev if np.isfinite(prev) else np.inf)
                     self._track_rejections(bool(accepted), float(cand), start_iter + i)
@@ -1087,6 +1096,8 @@ class StructuredVI(Inference):
                 f"{type(self).__name__}: {msg} after {i} iterations, -ELBO = {scores[-1]:,.6g}"
             )
         self.state = i
+        if self._averaged:
+            self._use_average()
         self._warn_collapsed_scales()
         if getattr(self, "_marginal", None) is not None:
             self._fit_hyper_marginal()
@@ -1350,6 +1361,61 @@ class StructuredVI(Inference):
         """Continue a fit for ``n`` more iterations."""
         return self.fit(n, progressbar=progressbar, progressbar_theme=progressbar_theme)
 
+    @property
+    def _averaged(self) -> bool:
+        """Whether q is the average of the iterates: fits on ``pm.Minibatch`` data (with
+        ``row_subsample`` alone the factorizations' iterates still drift, and their
+        average was no closer to the full-batch fit)."""
+        return bool(self.stochastic and self.tlm.minibatch)
+
+    def _average_iterate(self):
+        """Add the accepted state to the iterate average, and every
+        :data:`STOCHASTIC_WINDOW` iterations keep the average's location."""
+        k = self.kernel
+        if getattr(self, "_average", None) is None:
+            self._average = IterateAverage(self.algorithm.parameterization)
+            self._average_locations = []
+        hyper = None
+        if k.hypers is not None and k.hypers.mode == "point":
+            hyper = ("point", np.array(k.hypers.base.get_value()))
+        elif k.hypers is not None:
+            hyper = ("gaussian", k.hypers.base_mean.get_value(), k.hypers.base_factor.get_value())
+        self._average.update(
+            [m.get_value(borrow=True) for m in k.base_mean],
+            [f.get_value(borrow=True) for f in k.base_factor],
+            hyper,
+        )
+        if self._average.t % STOCHASTIC_WINDOW == 0:
+            try:
+                self._average_locations = [*self._average_locations[-1:], self._average.location()]
+            except np.linalg.LinAlgError:
+                self._average_locations = []
+
+    def _use_average(self):
+        """Replace the last iterate of a stochastic fit by the iterates' average
+        (:mod:`pymc_mcssvi.algorithms.averaging`); the next ``fit`` starts from it."""
+        avg = getattr(self, "_average", None)
+        if avg is None or avg.blocks is None:
+            return
+        k = self.kernel
+        try:
+            means, factors, hyper = avg.result()
+        except np.linalg.LinAlgError:
+            logger.info("Iterate average not used: an averaged precision is not positive definite")
+            return
+        if not all(np.all(np.isfinite(x)) for x in [*means, *factors]):
+            return
+        for shared, value in zip(k.base_mean, means, strict=True):
+            shared.set_value(value)
+        for shared, value in zip(k.base_factor, factors, strict=True):
+            shared.set_value(value)
+        if hyper is not None and hyper[0] == "point":
+            k.hypers.base.set_value(hyper[1])
+        elif hyper is not None:
+            k.hypers.base_mean.set_value(hyper[1])
+            k.hypers.base_factor.set_value(hyper[2])
+        k.reset_candidate()
+
     def _track_rejections(self, accepted, cand_bound, iteration):
         if (
             not accepted
@@ -1419,11 +1485,20 @@ class StructuredVI(Inference):
         by at most ``tol`` (relative).
         """
         if self.stochastic:
-            w = 50
+            w = STOCHASTIC_WINDOW
             if len(scores) < 2 * w:
                 return False
             a, b = np.mean(scores[-w:]), np.mean(scores[-2 * w : -w])
-            return abs(a - b) <= tol * abs(b)
+            if abs(a - b) > tol * abs(b):
+                return False
+            if not self._averaged:
+                return True
+            # the averaged q (what the fit returns) must have stopped moving too
+            locs = getattr(self, "_average_locations", [])
+            if len(locs) < 2:
+                return False
+            (m0, _), (m1, sd1) = locs
+            return float(np.sqrt(np.mean(((m1 - m0) / sd1) ** 2))) <= STOCHASTIC_MEAN_TOL
         k = 3
         if len(scores) <= k or not np.all(np.isfinite(scores[-k - 1 :])):
             return False

@@ -46,6 +46,7 @@ from pytensor.tensor.random.basic import (
     NormalRV,
     StudentTRV,
 )
+from pytensor.tensor.random.type import RandomType
 
 from pymc_mcssvi.distributions import RayleighRV
 from pymc_mcssvi.exceptions import UnsupportedModelError
@@ -68,7 +69,12 @@ def base_op(rv):
 
 def dist_params(rv):
     op, base = base_op(rv)
-    return list(op.dist_params(base.owner))
+    try:
+        return list(op.dist_params(base.owner))
+    except ValueError:
+        # a SymbolicRandomVariable without an extended signature (PyMC's pm.Truncated of
+        # a discrete distribution, a scan): its inputs other than random generators
+        return [i for i in base.owner.inputs if not isinstance(i.type, RandomType)]
 
 
 def _constant(v):

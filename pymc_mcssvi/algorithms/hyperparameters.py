@@ -43,7 +43,7 @@ from pytensor.tensor.basic import Alloc, Split
 from pytensor.tensor.blockwise import Blockwise
 from pytensor.tensor.math import Prod
 from pytensor.tensor.random.op import RandomVariable
-from pytensor.tensor.shape import Shape, Shape_i
+from pytensor.tensor.shape import Reshape, Shape, Shape_i
 
 from pymc_mcssvi.algorithms.arrow import arrow_solve
 from pymc_mcssvi.algorithms.optimizers import Optimizer
@@ -235,6 +235,19 @@ def _draws_sized_by(h, outputs) -> bool:
     (:func:`shapes_at_fixed`) and every sigma point uses the same draws."""
     return any(
         isinstance(node.op, RandomVariable) and depends_on_any(node.op.size_param(node), [h])
+        for node in io_toposort(list(graph_inputs(outputs)), outputs)
+    )
+
+
+def _shapes_depend_on(h, outputs) -> bool:
+    """Whether an ``Alloc`` or ``Reshape`` in ``outputs`` takes its target shape from a
+    tensor depending on ``h``. Batched over sigma points that shape becomes a batch of
+    shapes, the op a ``Blockwise`` whose core input loses the static length-1 axes it
+    broadcasts (``(s * eps) @ L.T`` with a scale ``s``: "Runtime broadcasting not
+    allowed" in the step); the shapes are read at a fixed ``h`` (:func:`shapes_at_fixed`)."""
+    return any(
+        isinstance(node.op, Alloc | Reshape)
+        and any(depends_on_any(x, [h]) for x in node.inputs[1:])
         for node in io_toposort(list(graph_inputs(outputs)), outputs)
     )
 
@@ -546,7 +559,7 @@ class MeanFieldHyperparameters:
         st = GaussianBlocks(self.cand_mean, self.cand_factor)
         draws = self._draws(st)
         singles = [*outs, grad]
-        if self.spec.fixed_shapes or _draws_sized_by(h, singles):
+        if self.spec.fixed_shapes or _draws_sized_by(h, singles) or _shapes_depend_on(h, singles):
             singles = shapes_at_fixed(h, singles)
         batched = vectorize_graph(singles, {h: draws})
         w = pt.constant(self.w)

@@ -394,3 +394,31 @@ def test_two_dimensional_hsgp_with_point_hyperparameters():
         approx = pm.fit(method="hmcssvi", hyper="point", random_seed=1, progressbar=False)
     assert np.isfinite(approx.hist).all()
     assert np.isfinite(approx.sample(50, random_seed=2).posterior["f"].values).all()
+
+
+def test_scale_inside_a_right_multiplied_effect_matrix():
+    """Per-group random walks written ``(s * eps) @ L.T`` (a lower-triangular ones matrix)
+    with a HalfNormal scale ``s``: batched over q(h)'s sigma points, the target shape of an
+    ``Alloc`` became a batch of shapes and its value lost a broadcastable axis ("Runtime
+    broadcasting not allowed" in the first step). The three spellings fit to the same
+    bound."""
+    import pytensor.tensor as pt
+
+    rng = np.random.default_rng(118)
+    G, T = 3, 12
+    y = 1.0 + np.cumsum(rng.normal(0, 0.2, (G, T)), axis=1) + rng.normal(0, 0.3, (G, T))
+    L = np.tril(np.ones((T, T)))
+    bounds = []
+    for f in (
+        lambda s, eps: (s * eps) @ L.T,
+        lambda s, eps: pt.dot(L, (s * eps).T).T,
+        lambda s, eps: s * pt.dot(eps, L.T),
+    ):
+        with pm.Model():
+            s = pm.HalfNormal("s", 0.5)
+            mu = pm.Normal("mu", 0, 2)
+            eps = pm.Normal("eps", 0, 1, shape=(G, T))
+            pm.Normal("y", mu + f(s, eps), pm.HalfNormal("sigma", 1), observed=y)
+            approx = pm.fit(method="hmcssvi", random_seed=1, progressbar=False)
+        bounds.append(approx.hist[-1])
+    np.testing.assert_allclose(bounds, bounds[-1], rtol=1e-8)

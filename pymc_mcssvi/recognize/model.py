@@ -154,8 +154,11 @@ def _recognize(model, cov, bound, inner, n_inner) -> TwoLevelModel:
                 obs.name,
                 f"its likelihood ({type(op).__name__}) is multivariate, so its log density is not "
                 "elementwise in a predictor",
-                "write it with univariate observed variables (one per column), or fit it with "
-                "pm.fit(method='fullrank_advi')",
+                "write it with univariate likelihoods: counts over categories as a "
+                "pm.Categorical with one row per counted item (long format) or as independent "
+                "pm.Poisson counts with a free intercept per row (the Poisson trick); "
+                "a multivariate normal outcome as a regression of each column on the previous "
+                "ones; or fit it with pm.fit(method='fullrank_advi')",
             )
         suffix = ""
         if obs.name in local_of:

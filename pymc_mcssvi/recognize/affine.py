@@ -244,20 +244,28 @@ class _Linearizer:
             return self._make_vector(var, node)
         if isinstance(op, OpFromGraph):
             return self._inline(var, node)
-        if isinstance(op, CumOp) and op.mode == "add" and var.ndim == 1:
+        if isinstance(op, CumOp) and op.mode == "add" and var.ndim <= 2:
             return self._cumsum(var, node)
         return None
 
     def _cumsum(self, var, node):
-        """``cumsum(x) = T @ x`` with the lower-triangular matrix of ones."""
+        """``cumsum(x) = T @ x`` with the lower-triangular matrix of ones ``T``; of a
+        matrix along its rows ``x @ T.T`` (one random walk per row), along its
+        columns ``T @ x``; with ``axis=None`` of ``x`` flattened."""
         (x,) = node.inputs
-        n = self.shape_of(x)[0]
-        tri = pt.tril(pt.ones((n, n)))
-        return (
-            self(pt.dot(tri, x))
-            if not isinstance(n, int)
-            else self(pt.dot(pt.constant(np.tril(np.ones((n, n)))), x))
+        axis = node.op.axis
+        if axis is None and x.ndim > 1:
+            x = x.reshape((-1,))
+        if x.ndim == 1:
+            axis = 0
+        axis = axis % x.ndim
+        n = self.shape_of(x)[axis]
+        tri = (
+            pt.constant(np.tril(np.ones((n, n))))
+            if isinstance(n, int | np.integer)
+            else pt.tril(pt.ones((n, n)))
         )
+        return self(pt.dot(tri, x) if axis == 0 else pt.dot(x, tri.T))
 
     def _elemwise(self, var, node):
         sop = node.op.scalar_op

@@ -6,6 +6,7 @@ import pytest
 
 import pymc_mcssvi
 from pymc_mcssvi.estimators.predictor import PredictorGeometry
+from pymc_mcssvi.recognize import recognize
 
 
 @pytest.fixture
@@ -396,7 +397,7 @@ def test_two_dimensional_hsgp_with_point_hyperparameters():
     assert np.isfinite(approx.sample(50, random_seed=2).posterior["f"].values).all()
 
 
-def test_scale_inside_a_right_multiplied_effect_matrix():
+def test_scale_inside_a_right_multiplied_effect_matrix_and_2d_cumsum():
     """Per-group random walks written ``(s * eps) @ L.T`` (a lower-triangular ones matrix)
     with a HalfNormal scale ``s``: batched over q(h)'s sigma points, the target shape of an
     ``Alloc`` became a batch of shapes and its value lost a broadcastable axis ("Runtime
@@ -413,12 +414,17 @@ def test_scale_inside_a_right_multiplied_effect_matrix():
         lambda s, eps: (s * eps) @ L.T,
         lambda s, eps: pt.dot(L, (s * eps).T).T,
         lambda s, eps: s * pt.dot(eps, L.T),
+        # the same random walks as a cumulative sum along the rows (was the general
+        # Monte Carlo path: 61 s against 1.6 s) and along the columns of the transpose
+        lambda s, eps: pt.cumsum(s * eps, axis=1),
+        lambda s, eps: pt.cumsum(s * eps.T, axis=0).T,
     ):
-        with pm.Model():
+        with pm.Model() as model:
             s = pm.HalfNormal("s", 0.5)
             mu = pm.Normal("mu", 0, 2)
             eps = pm.Normal("eps", 0, 1, shape=(G, T))
             pm.Normal("y", mu + f(s, eps), pm.HalfNormal("sigma", 1), observed=y)
             approx = pm.fit(method="hmcssvi", random_seed=1, progressbar=False)
+        assert recognize(model).observed["y"] == "dense affine + gather"
         bounds.append(approx.hist[-1])
     np.testing.assert_allclose(bounds, bounds[-1], rtol=1e-8)

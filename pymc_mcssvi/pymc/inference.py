@@ -590,8 +590,9 @@ class StructuredVI(Inference):
             f"{hyp.spec.size} hyperparameter coordinates ({sizes}) exceed {MAX_COUPLED_HYPERS}: "
             "their steps are not coupled with q(w)'s and the linear-response correction is off, "
             "so the fit may take many iterations and the posterior sds of the Gaussian variables "
-            "can be too narrow. Give per-group parameters a Normal prior (a non-centered "
-            "`sigma * z`) where the model allows, or use hyper='point'.",
+            "can be too narrow. Give per-group parameters a pm.Normal prior (a non-centered "
+            "`sigma * z`) where the model allows (a pm.CustomDist that wraps a Normal is not "
+            "read as one), or use hyper='point'.",
             UserWarning,
             stacklevel=4,
         )

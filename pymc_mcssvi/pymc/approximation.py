@@ -79,8 +79,9 @@ class ConditionalView(NamedTuple):
 
 
 class LowerTriangle:
-    """The lower triangles of a shared stack of triangular factors, read-only:
-    ``get_value()`` is the ``(..., K (K + 1) / 2)`` entries on and below the diagonal.
+    """The lower triangles of a shared stack of triangular factors: ``get_value()`` is
+    the ``(..., K (K + 1) / 2)`` entries on and below the diagonal, ``set_value`` takes
+    them back.
 
     Examples
     --------
@@ -88,6 +89,8 @@ class LowerTriangle:
     >>> f = pytensor.shared(np.array([[[1.0, 0.0], [2.0, 3.0]]]), name="factor")
     >>> LowerTriangle(f).get_value().tolist()
     [[1.0, 2.0, 3.0]]
+    >>> LowerTriangle(f).set_value([[4.0, 5.0, 6.0]]); f.get_value().tolist()
+    [[[4.0, 0.0], [5.0, 6.0]]]
     """
 
     def __init__(self, shared):
@@ -98,6 +101,13 @@ class LowerTriangle:
         value = self.shared.get_value(borrow=True)
         i, j = np.tril_indices(value.shape[-1])
         return value[..., i, j]
+
+    def set_value(self, value, borrow=False):
+        """Set the lower triangles (as :meth:`get_value` gives them); the rest stays 0."""
+        full = np.zeros_like(self.shared.get_value(borrow=True))
+        i, j = np.tril_indices(full.shape[-1])
+        full[..., i, j] = value
+        self.shared.set_value(full)
 
     def __repr__(self):
         return f"LowerTriangle({self.name})"

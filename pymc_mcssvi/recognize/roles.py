@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytensor.tensor as pt
 from pymc.distributions.continuous import WeibullBetaRV
+from pymc.distributions.distribution import SymbolicRandomVariable
 from pymc.distributions.multivariate import MvNormalRV, ZeroSumNormalRV
 from pymc.distributions.timeseries import (
     GARCH11RV,
@@ -35,7 +36,9 @@ from pymc.distributions.timeseries import (
     EulerMaruyamaRV,
     RandomWalkRV,
 )
+from pymc.logprob.abstract import _logprob
 from pymc.variational.minibatch_rv import MinibatchRandomVariable
+from pytensor.compile.rewriting import inline_ofg_node
 from pytensor.graph.basic import Constant
 from pytensor.tensor.random.basic import (
     BernoulliRV,
@@ -59,16 +62,51 @@ __all__ = ["Roles", "assign_roles", "base_op", "dist_params", "loc_and_others"]
 
 
 def base_op(rv):
-    """Distribution op of a variable and the variable carrying it (through minibatching)."""
+    """Distribution op of a variable and the variable carrying it (through minibatching).
+
+    A ``pm.CustomDist`` whose ``dist`` is a plain ``pm.Normal.dist`` of its inputs has
+    the Normal's op (:func:`_custom_normal`).
+    """
     op = rv.owner.op
     if isinstance(op, MinibatchRandomVariable):
         inner = rv.owner.inputs[0]
-        return inner.owner.op, inner
+        return base_op(inner)
+    custom = _custom_normal(rv)
+    if custom is not None:
+        return custom[0], rv
     return op, rv
+
+
+def _custom_normal(rv):
+    """``(normal_op, [mu, sigma])`` of a ``pm.CustomDist`` whose draw is a ``pm.Normal`` of
+    its parameters (``dist=lambda mu, sigma, size: pm.Normal.dist(mu, sigma, size=size)``),
+    the parameters as graphs of the CustomDist's own inputs; ``None`` otherwise. Such a
+    variable is a Normal to the plugin (a random effect written this way was a mean-field
+    hyperparameter: 40 groups, the intercept's sd 0.30x NUTS's)."""
+    op = rv.owner.op
+    if not (isinstance(op, SymbolicRandomVariable) and hasattr(op, "inner_outputs")):
+        return None
+    if type(op) in _logprob.registry:  # a log density of its own (CustomDist(logp=...))
+        return None
+    draws = [o for o in op.inner_outputs if not isinstance(o.type, RandomType)]
+    if len(draws) != 1 or draws[0].owner is None or not isinstance(draws[0].owner.op, NormalRV):
+        return None
+    try:  # the inner graph with the CustomDist's inputs in place of its own
+        inlined = inline_ofg_node(rv.owner)
+    except Exception:  # noqa: BLE001  (an inner graph PyTensor cannot inline)
+        return None
+    (draw,) = [o for o in inlined if not isinstance(o.type, RandomType)]
+    if draw.owner is None or not isinstance(draw.owner.op, NormalRV):
+        return None
+    mu, sigma = draw.owner.op.dist_params(draw.owner)
+    return draw.owner.op, [mu, sigma]
 
 
 def dist_params(rv):
     op, base = base_op(rv)
+    custom = _custom_normal(base)
+    if custom is not None:
+        return list(custom[1])
     try:
         return list(op.dist_params(base.owner))
     except ValueError:

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytensor.tensor as pt
 from pytensor.compile.builders import OpFromGraph
+from pytensor.compile.ops import ViewOp
 from pytensor.compile.rewriting import inline_ofg_node
 from pytensor.graph.basic import Variable
 from pytensor.graph.replace import graph_replace
@@ -231,7 +232,7 @@ class _Linearizer:
             return self._sum(var, node)
         if isinstance(op, Subtensor | AdvancedSubtensor):
             return self._subtensor(var, node)
-        if isinstance(op, SpecifyShape):
+        if isinstance(op, SpecifyShape | ViewOp):  # ViewOp: a pm.Deterministic in the graph
             inner = self(node.inputs[0])
             return None if inner is None else AffineForm(var.ndim, inner.offset, inner.terms)
         if isinstance(op, Reshape):

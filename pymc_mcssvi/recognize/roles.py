@@ -279,6 +279,30 @@ def _demote_likelihood_scales(model, cand, values, vshape, params, local_rvs, de
             )
 
 
+def _demote_loadings(model, cand, values, vshape, shapes, demote):
+    """A scalar Gaussian candidate that multiplies other Gaussian globals in a likelihood's
+    parameter (a loading: ``lam * u[g]``, the same effects entering a second outcome
+    scaled) is a hyperparameter, as a scale ``sigma`` in ``sigma * z`` is: the parameter
+    is affine in the loading alone and in the others given it, but not in both, and the
+    Monte Carlo + autodiff path it went to was 5x slower than NUTS (a 20-dimensional
+    model with 731 rows: 21.7 s against 4.4 s)."""
+    size = {rv: int(np.prod(vshape[rv], dtype=int)) for rv in cand}
+    for obs in model.observed_RVs:
+        for p in model.replace_rvs_by_values(dist_params(obs)):
+            deps = [c for c in cand if depends_on_any(p, [values[c]])]
+            if len(deps) < 2 or linearize(p, {values[c]: 0 for c in deps}, shapes) is not None:
+                continue
+            for c in sorted(deps, key=lambda c: size[c]):
+                others = {values[o]: 0 for o in deps if o is not c}
+                if (
+                    size[c] == 1
+                    and linearize(p, {values[c]: 0}, shapes) is not None
+                    and linearize(p, others, shapes) is not None
+                ):
+                    demote(c, f"multiplies Gaussian effects in the predictor of {obs.name!r}")
+                    break
+
+
 #: Priors on the real line, not Gaussian, whose variables still get the Gaussian q:
 #: op -> (family name, index of the location among the distribution parameters). Their
 #: log density enters the bound as a one-dimensional term in the variable (quadrature),
@@ -369,6 +393,7 @@ def assign_roles(model) -> Roles:
         del cand[c]
 
     _demote_likelihood_scales(model, cand, values, vshape, params, local_rvs, demote)
+    _demote_loadings(model, cand, values, vshape, shapes, demote)
 
     changed = True
     while changed:

@@ -321,3 +321,36 @@ def test_hsgp_latent_function_with_a_bernoulli_likelihood(parametrization):
     ratio = draws.std(0) / ref.std(0)
     assert z.max() < 0.2, np.round(z.max(), 3)
     assert np.all(np.abs(ratio - 1) < 0.2), np.round([ratio.min(), ratio.max()], 3)
+
+
+def test_loading_on_shared_effects():
+    """Two outcomes share clinic effects ``u = s_u * z``, the second through a loading
+    ``lam * u[g]`` (a Normal). ``lam`` is read as a hyperparameter, as a scale is, which
+    keeps the second predictor affine in the Gaussian globals (it went to the Monte Carlo
+    + autodiff path: 5x slower than NUTS); the posterior against NUTS. The
+    ``pm.Deterministic`` around ``u`` is transparent to the affine analysis."""
+    from scipy.stats import norm
+
+    rng = np.random.default_rng(112)
+    G, N = 12, 300
+    g = rng.integers(0, G, N)
+    x = rng.normal(size=N)
+    u_true = rng.normal(0, 0.7, G)
+    yb = rng.binomial(1, norm.cdf(-0.2 + 0.5 * x + u_true[g]))
+    sub = np.flatnonzero(yb == 1)
+    yc = 2.0 + 0.3 * x[sub] + 0.6 * u_true[g[sub]] + rng.normal(0, 0.5, sub.size)
+    with pm.Model() as model:
+        s_u = pm.HalfNormal("s_u", 1)
+        z = pm.Normal("z", 0, 1, shape=G)
+        u = pm.Deterministic("u", s_u * z)
+        a = pm.Normal("a", 0, 1.5, shape=2)
+        c = pm.Normal("c", 0, 5, shape=2)
+        lam = pm.Normal("lam", 0, 1)
+        pm.Bernoulli("any_visit", p=pm.math.invprobit(a[0] + a[1] * x + u[g]), observed=yb)
+        pm.Normal(
+            "cost", c[0] + c[1] * x[sub] + lam * u[g[sub]], pm.HalfNormal("sigma", 1), observed=yc
+        )
+    tlm = recognize(model)
+    assert tlm.observed["cost"] == "dense affine + gather"
+    assert "lam" in [h.name for h in tlm.hypers]
+    _compare(model, "loading", ["lam", "c", "u", "s_u"], "hmcssvi", mean_tol=0.15, sd_tol=0.15)

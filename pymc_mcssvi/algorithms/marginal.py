@@ -36,6 +36,7 @@ from typing import NamedTuple
 import numpy as np
 import pytensor.tensor as pt
 from scipy.interpolate import PchipInterpolator
+from scipy.linalg import solve_triangular
 from scipy.special import ndtr
 
 from pymc_mcssvi.families.gaussian import GaussianBlocks, natural_step, natural_step_gain
@@ -588,10 +589,14 @@ def averaged_view_factors(weights, factors, log_scales=None):
         # the per-coordinate scaling is dropped only where it is clearly wrong on average
         # and no scaling fits the re-fits better both at each point and on average
         with np.errstate(all="ignore"):
-            scaled = _scaling_misfits(weights, covs, seg_scales, avg, ratio, centre_at)
-            plain = _scaling_misfits(
-                weights, covs, seg_scales, avg, np.zeros_like(ratio), centre_at
-            )
+            # log det of each point's covariance in the data's coordinates, from its factor
+            logdets = [
+                np.sum(2.0 * ls - 2.0 * np.log(np.abs(np.diagonal(f[s], axis1=-2, axis2=-1))), -1)
+                for f, ls in zip(factors, seg_scales, strict=True)
+            ]
+            fit = (weights, covs, logdets, seg_scales, avg, prec, centre_at)
+            scaled = _scaling_misfits(*fit, ratio)
+            plain = _scaling_misfits(*fit, np.zeros_like(ratio))
         if (
             all(np.isfinite(plain))
             and scaled[1] > MAX_SCALING_MISFIT
@@ -624,26 +629,33 @@ def _kl(C, S):
     return 0.5 * float(np.sum(trace - k + np.linalg.slogdet(S)[1] - np.linalg.slogdet(C)[1]))
 
 
-def _scaling_misfits(weights, covs, seg_scales, avg, ratio, centre_at):
+def _scaling_misfits(weights, covs, logdets, seg_scales, avg, prec, centre_at, ratio):
     """How far the draws' noise ``D avg D`` (``D`` the sd ratios ``ratio`` put together
     along the axes) is from the re-fitted conditional covariances ``C_p`` of the profile
     points: ``(pointwise, averaged)``.
 
     *pointwise*: ``KL(N(0, C_p) || N(0, D avg D))``, summed over the blocks and averaged
-    with the axis marginal's weights (the shape of q(w | h) at each ``h``).
+    with the axis marginal's weights (the shape of q(w | h) at each ``h``); from
+    ``prec = avg^{-1}`` and the points' log determinants ``logdets``, without a
+    factorization per point.
     *averaged*: ``KL(N(0, E[C_p]) || N(0, E[D avg D]))`` with both sides in q(w)'s own
     coordinates (the data's log scales ``seg_scales`` removed) and averaged over the axes
     as :func:`averaged_view_factors` averages: the conditional part of the draws'
     covariance, which the draws' marginals show. A relative error where a non-centered
     ``z``'s scale is small is a large one in ``z`` there.
     """
-    n = weights.shape[0]
+    n, k = weights.shape[0], avg.shape[-1]
+    logdet_avg = np.linalg.slogdet(avg)[1]
     pointwise = 0.0
     target = [np.zeros_like(avg) for _ in range(n + 1)]
     model = [np.zeros_like(avg) for _ in range(n + 1)]
     for p, (axis, w, log_d) in enumerate(_point_log_scales(weights, ratio, centre_at)):
+        inv_d = np.exp(-log_d)
+        trace = np.einsum(
+            "...ab,...ab->...", prec * inv_d[..., :, None] * inv_d[..., None, :], covs[p]
+        )
+        kl = 0.5 * float(np.sum(trace - k + logdet_avg + 2.0 * log_d.sum(-1) - logdets[p]))
         noise = avg * np.exp(log_d[..., :, None] + log_d[..., None, :])
-        kl = _kl(covs[p], noise)
         unscale = np.exp(-(seg_scales[p][..., :, None] + seg_scales[p][..., None, :]))
         if axis is None:  # the centre: its own term, and its share of each axis's average
             pointwise += float(np.sum(w)) * kl
@@ -1165,9 +1177,19 @@ def node_interpolation(t, table):
 
 
 def _block_covariance(L):
-    """``(L L^T)^{-1}`` for a stack of lower Cholesky factors of precisions."""
-    eye = np.broadcast_to(np.eye(L.shape[-1]), L.shape)
-    Li = np.linalg.solve(L, eye)  # L^{-1}
+    """``(L L^T)^{-1}`` for a stack of lower Cholesky factors of precisions.
+
+    Few large blocks are inverted as triangular (LAPACK ``trsm``: a 303 x 303 factor in
+    12 ms where the general solve took 121 ms); many small ones in one batched solve.
+    """
+    L = np.asarray(L)
+    k = L.shape[-1]
+    flat = L.reshape(-1, k, k)
+    if k >= 32 and len(flat) <= 64:
+        eye = np.eye(k)
+        Li = np.stack([solve_triangular(f, eye, lower=True) for f in flat]).reshape(L.shape)
+    else:
+        Li = np.linalg.solve(L, np.broadcast_to(np.eye(k), L.shape))  # L^{-1}
     return np.swapaxes(Li, -1, -2) @ Li
 
 

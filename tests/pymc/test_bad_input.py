@@ -190,3 +190,25 @@ def test_matrix_factorization_with_other_terms_names_the_general_path():
         assert pymc_mcssvi.describe(m).predictor("y") == "general (bilinear + other terms)"
         with m, pytest.raises(ValueError, match=r"predictor of 'y' adds other terms"):
             pymc_mcssvi.HMCSSVI(row_subsample=3)
+
+
+def test_scan_over_gaussian_globals_in_a_general_likelihood_warns():
+    """An AR(1) trend written with ``pytensor.scan`` goes to the Monte Carlo + autodiff
+    path, whose batched derivatives of the scan loop in Python (minutes for 120
+    dimensions): said at recognition, with the rewrite."""
+    import pytensor
+    import pytensor.tensor as pt
+
+    with pm.Model() as model:
+        rho = pm.Normal("rho", 0.8, 0.2)
+        eps = pm.Normal("eps", 0, 1, shape=6)
+        f = pytensor.scan(
+            lambda e, prev, r: r * prev + e,
+            sequences=[eps],
+            outputs_info=[pt.zeros(())],
+            non_sequences=[rho],
+            return_updates=False,
+        )
+        pm.Normal("y", f, 0.3, observed=np.linspace(0, 1, 6))
+    with pytest.warns(UserWarning, match="'y' runs a pytensor.scan.*pt.cumsum"):
+        pymc_mcssvi.describe(model)

@@ -18,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pytensor.tensor as pt
+from pytensor.gradient import NullTypeGradError
+from pytensor.graph.utils import MethodNotDefined
 from pytensor.tensor.exceptions import NotScalarConstantError
 
 from pymc_mcssvi.algorithms.arrow import arrow_head
@@ -25,6 +27,7 @@ from pymc_mcssvi.estimators.bilinear import BilinearEstimator
 from pymc_mcssvi.estimators.general import GeneralEstimator
 from pymc_mcssvi.estimators.predictor import PredictorGeometry
 from pymc_mcssvi.estimators.quadrature import expected_derivatives, expected_standard_normal
+from pymc_mcssvi.exceptions import UnsupportedModelError
 from pymc_mcssvi.families.gaussian import GaussianBlocks, covariance, entropy
 from pymc_mcssvi.recognize.graph import evaluate_static
 
@@ -215,16 +218,27 @@ class StructuredBound:
                 T, alpha, beta = expected_standard_normal(mu, var)
             else:
                 shape = term.eta_shape
-                T, alpha, beta = expected_derivatives(
-                    term.logp,
-                    term.placeholder,
-                    mu.reshape(shape) if shape else mu[0],
-                    var.reshape(shape) if shape else var[0],
-                    method=self.estimator,
-                    n_points=self.n_points if term.smooth else max(self.n_points, KINKED_POINTS),
-                    need_hessian=need_hessian,
-                    derivatives="direct" if term.smooth else "stein",
-                )
+                try:
+                    T, alpha, beta = expected_derivatives(
+                        term.logp,
+                        term.placeholder,
+                        mu.reshape(shape) if shape else mu[0],
+                        var.reshape(shape) if shape else var[0],
+                        method=self.estimator,
+                        n_points=self.n_points
+                        if term.smooth
+                        else max(self.n_points, KINKED_POINTS),
+                        need_hessian=need_hessian,
+                        derivatives="direct" if term.smooth else "stein",
+                    )
+                except (MethodNotDefined, NullTypeGradError) as err:
+                    raise UnsupportedModelError(
+                        term.name,
+                        "PyTensor cannot differentiate its log density twice in the predictor "
+                        f"({type(err).__name__}: {err})",
+                        "fit this model with pm.sample() or pm.fit(method='advi'), or write the "
+                        "likelihood with functions PyTensor differentiates",
+                    ) from err
                 alpha = alpha.reshape((-1,))
                 beta = None if beta is None else beta.reshape((-1,))
             expected = expected + pt.sum(T)

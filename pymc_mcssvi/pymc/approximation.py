@@ -615,6 +615,8 @@ class StructuredApproximation(Approximation):
         The draws are computed with Python-level operations (no compilation),
         which is faster than compiling for a one-off call.
         """
+        if not isinstance(draws, int | np.integer) or isinstance(draws, bool) or draws < 1:
+            raise ValueError(f"draws must be a positive integer, got {draws!r}")
         with graph_building():
             out = super().sample(
                 draws, random_seed=random_seed, return_inferencedata=return_inferencedata, **kwargs

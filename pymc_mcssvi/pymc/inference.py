@@ -1446,8 +1446,9 @@ class StructuredVI(Inference):
             if not np.isfinite(base):
                 raise DivergenceError(
                     "The ELBO or its derivatives are not finite at the starting point (ELBO "
-                    f"{cand_bound}). Check the observed data against the likelihood's support, "
-                    "and the `start` values; a smaller `start_sigma` can help.",
+                    f"{cand_bound}). {self._start_diagnosis()}Check the observed data against "
+                    "the likelihood's support, and the `start` values; a smaller `start_sigma` "
+                    "can help.",
                     approx=self.approx,
                     iteration=iteration,
                 )
@@ -1459,6 +1460,31 @@ class StructuredVI(Inference):
                 approx=self.approx,
                 iteration=iteration,
             )
+
+    def _start_diagnosis(self) -> str:
+        """Which observed variables have a non-finite log density at the model's initial
+        point, and at which entries (the likely cause of a start that cannot be fitted:
+        data outside the likelihood's support); ``""`` if none or if it cannot be told."""
+        out = []
+        try:
+            point = self.model.initial_point()
+            for obs in self.model.observed_RVs:
+                (lp,) = self.model.compile_logp(vars=[obs], sum=False)(point)
+                bad = np.flatnonzero(~np.isfinite(np.ravel(lp)))
+                if bad.size:
+                    value = np.ravel(np.asarray(self.model.rvs_to_values[obs].eval()))
+                    shown = ", ".join(
+                        f"{int(i)} ({value[i]:g})" if value.size == np.size(lp) else str(int(i))
+                        for i in bad[:5]
+                    )
+                    more = f" and {bad.size - 5} more" if bad.size > 5 else ""
+                    out.append(
+                        f"Observed {obs.name!r} has a log density of {np.ravel(lp)[bad[0]]} at "
+                        f"the model's initial point at entries {shown}{more}. "
+                    )
+        except Exception:  # noqa: BLE001  (a diagnosis only)
+            return ""
+        return "".join(out)
 
     def _shrink_start(self, cand_bound):
         """Start again from q with a 10x smaller sd (before any step was accepted).

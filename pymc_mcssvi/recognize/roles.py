@@ -344,6 +344,13 @@ def assign_roles(model) -> Roles:
     values = {rv: model.rvs_to_values[rv] for rv in free}
     ip = model.initial_point()
     vshape = {rv: tuple(np.shape(ip[values[rv].name])) for rv in free}
+    for rv in free:
+        if 0 in vshape[rv]:
+            raise UnsupportedModelError(
+                rv.name,
+                f"it has no entries (shape {vshape[rv]})",
+                "leave it out of the model (an empty set of effects adds nothing to a predictor)",
+            )
     params = {rv: model.replace_rvs_by_values(dist_params(rv)) for rv in free}
     obs_logps = _observed_logps(model)
 

@@ -212,3 +212,45 @@ def test_scan_over_gaussian_globals_in_a_general_likelihood_warns():
         pm.Normal("y", f, 0.3, observed=np.linspace(0, 1, 6))
     with pytest.warns(UserWarning, match="'y' runs a pytensor.scan.*pt.cumsum"):
         pymc_mcssvi.describe(model)
+
+
+def test_observed_outside_the_support_is_named_at_the_start():
+    """A negative Poisson count: the start's DivergenceError named neither the variable
+    nor the entry."""
+    x = np.linspace(-1, 1, 20)
+    with pm.Model():
+        b = pm.Normal("b", 0, 1, shape=2)
+        pm.Poisson("counts", pm.math.exp(b[0] + b[1] * x), observed=np.r_[np.ones(19), -1])
+        with pytest.raises(DivergenceError, match=r"'counts'.*-inf.*entries 19 \(-1\)"):
+            pm.fit(method="hmcssvi", random_seed=1, progressbar=False)
+
+
+def test_empty_gaussian_global_and_zero_draws():
+    """A Gaussian global of shape 0 failed inside the estimator (IndexError); sample(0)
+    inside NumPy. Both are ValueErrors that say so."""
+    x = np.linspace(-1, 1, 30)
+    with pm.Model():
+        b = pm.Normal("b", 0, 2, shape=2)
+        e = pm.Normal("e", 0, 1, shape=0)
+        pm.Normal("y", b[0] + b[1] * x + e.sum(), 1.0, observed=x)
+        with pytest.raises(UnsupportedModelError, match="'e'.*no entries"):
+            pm.fit(method="hmcssvi", progressbar=False)
+    with pm.Model():
+        b = pm.Normal("b", 0, 2, shape=2)
+        pm.Normal("y", b[0] + b[1] * x, 1.0, observed=x)
+        approx = pm.fit(method="hmcssvi", progressbar=False)
+    with pytest.raises(ValueError, match="draws must be a positive integer"):
+        approx.sample(0)
+
+
+def test_likelihood_without_second_derivatives_is_named():
+    """pm.Rice's log density uses the Bessel ratio I1e, which PyTensor cannot
+    differentiate: PyTensor's MethodNotDefined surfaced from inside the bound."""
+    rng = np.random.default_rng(49)
+    x = rng.normal(size=40)
+    y = np.abs(rng.normal(np.exp(1.0 + 0.3 * x), 1.0))
+    with pm.Model():
+        b = pm.Normal("b", 0, 1, shape=2)
+        pm.Rice("y", nu=pm.math.exp(b[0] + b[1] * x), sigma=1.0, observed=y)
+        with pytest.raises(UnsupportedModelError, match="'y'.*cannot differentiate"):
+            pm.fit(method="hmcssvi", progressbar=False)

@@ -491,6 +491,8 @@ class StructuredApproximation(Approximation):
         #: The model's data containers and shared dim lengths with their values at the
         #: end of the fit (see :meth:`fitted_data`).
         self.fitted_data_values: dict = {}
+        #: The model's coordinate values at the end of the fit (restored while sampling).
+        self.fitted_coords: dict = {}
 
     @property
     def ordering(self):
@@ -604,6 +606,26 @@ class StructuredApproximation(Approximation):
             for var, now in changed.items():
                 var.set_value(now, borrow=True)
 
+    @contextlib.contextmanager
+    def _fitted_coords(self):
+        """The model's coordinate values as they were fitted, for the duration of the block:
+        after ``model.set_dim`` (more groups for predictions) the draws keep the fitted
+        lengths, and labelling them with the new coordinates failed in xarray
+        (``conflicting sizes for dimension``; so does ``pm.ADVI``'s approximation)."""
+        coords = getattr(self.model, "_coords", None)
+        changed = {}
+        if isinstance(coords, dict):
+            for name, value in self.fitted_coords.items():
+                now = coords.get(name)
+                if now is not None and (len(now) != len(value) or tuple(now) != tuple(value)):
+                    changed[name] = now
+                    coords[name] = value
+        try:
+            yield
+        finally:
+            for name, now in changed.items():
+                coords[name] = now
+
     def _conditional_samplers(self):
         if self._conditional is None or len(self._conditional) != len(self.conditional_factories):
             self._conditional = [make() for make in self.conditional_factories]
@@ -617,7 +639,7 @@ class StructuredApproximation(Approximation):
         """
         if not isinstance(draws, int | np.integer) or isinstance(draws, bool) or draws < 1:
             raise ValueError(f"draws must be a positive integer, got {draws!r}")
-        with graph_building():
+        with graph_building(), self._fitted_coords():
             out = super().sample(
                 draws, random_seed=random_seed, return_inferencedata=return_inferencedata, **kwargs
             )

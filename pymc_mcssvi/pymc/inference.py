@@ -1143,6 +1143,7 @@ class StructuredVI(Inference):
             ]
         self.approx.conditional_factories = factories
         self.approx.fitted_data_values = _data_values(self.model)
+        self.approx.fitted_coords = {k: v for k, v in self.model.coords.items() if v is not None}
         self.approx._conditional = None
         if self.tlm.locals:
             with graph_building():

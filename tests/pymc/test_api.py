@@ -280,3 +280,23 @@ def test_inference_options_pass_through_pm_fit():
         assert approx.point_estimates == ["sd"]
         with pytest.raises(TypeError, match="both directly and in inf_kwargs"):
             pm.fit(method="hmcssvi", hyper="point", inf_kwargs={"hyper": "meanfield"})
+
+
+def test_sample_after_set_dim_keeps_the_fitted_coordinates():
+    """``model.set_dim`` to more groups (for predictions) after the fit: ``approx.sample()``
+    is the posterior of the fitted model, labelled with the fitted coordinates (xarray
+    raised "conflicting sizes for dimension 'grp'"; so does pm.ADVI's); the model keeps
+    its new coordinates."""
+    rng = np.random.default_rng(34)
+    g = rng.integers(0, 6, 120)
+    y = rng.normal(0, 0.7, 6)[g] + rng.normal(0, 0.5, 120)
+    with pm.Model(coords={"grp": [f"g{i}" for i in range(6)]}) as model:
+        gd = pm.Data("gd", g)
+        a = pm.Normal("a", 0, 1, dims="grp")
+        pm.Normal("y", a[gd], pm.HalfNormal("s", 1), observed=y, shape=gd.shape)
+        approx = pm.fit(method="hmcssvi", progressbar=False)
+        model.set_dim("grp", 9, coord_values=[f"g{i}" for i in range(9)])
+    post = approx.sample(5, random_seed=1).posterior
+    assert post["a"].shape == (1, 5, 6)
+    assert list(post["grp"].values) == [f"g{i}" for i in range(6)]
+    assert len(model.coords["grp"]) == 9

@@ -1120,6 +1120,11 @@ class StructuredVI(Inference):
             if getattr(self, "_conditional_globals", None) is None:
                 k = self.kernel
                 work = self.work_estimate() / max(len(k.hypers.w), 1)
+                if self.tlm.general_terms:
+                    # Monte Carlo + autodiff terms: a re-fit per draw is never cheap, and
+                    # compiling it took PyTensor's rewriting > 5 minutes on a non-centered
+                    # observation-level effect; the draws come from the view
+                    work = np.inf
                 self._conditional_globals = ConditionalGlobals(
                     k, self.model, self.approx.groups[0], work
                 )

@@ -227,29 +227,29 @@ def shapes_at_fixed(h, outputs):
     return graph_replace(outputs, replace, strict=False)
 
 
-def _draws_sized_by(h, outputs) -> bool:
-    """Whether a random draw in ``outputs`` takes its size from a tensor depending on
-    ``h`` (fresh Monte Carlo draws shaped like the predictor of a non-centered
-    effect). ``vectorize_graph`` over sigma points of ``h`` would batch that size,
-    which a ``RandomVariable`` cannot take; the shapes are read at a fixed ``h``
-    (:func:`shapes_at_fixed`) and every sigma point uses the same draws."""
-    return any(
-        isinstance(node.op, RandomVariable) and depends_on_any(node.op.size_param(node), [h])
-        for node in io_toposort(list(graph_inputs(outputs)), outputs)
-    )
+def _sized_by(h, outputs) -> bool:
+    """Whether a node in ``outputs`` takes a size or shape from a tensor depending on
+    ``h``; then the shapes are read at a fixed ``h`` (:func:`shapes_at_fixed`) before
+    ``vectorize_graph`` batches the graph over sigma points of ``h``, which would batch
+    that size too.
 
-
-def _shapes_depend_on(h, outputs) -> bool:
-    """Whether an ``Alloc`` or ``Reshape`` in ``outputs`` takes its target shape from a
-    tensor depending on ``h``. Batched over sigma points that shape becomes a batch of
-    shapes, the op a ``Blockwise`` whose core input loses the static length-1 axes it
-    broadcasts (``(s * eps) @ L.T`` with a scale ``s``: "Runtime broadcasting not
-    allowed" in the step); the shapes are read at a fixed ``h`` (:func:`shapes_at_fixed`)."""
-    return any(
-        isinstance(node.op, Alloc | Reshape)
-        and any(depends_on_any(x, [h]) for x in node.inputs[1:])
-        for node in io_toposort(list(graph_inputs(outputs)), outputs)
-    )
+    A random draw (fresh Monte Carlo draws shaped like the predictor of a non-centered
+    effect) cannot take a batch of sizes; with the shapes fixed every sigma point uses
+    the same draws. An ``Alloc`` or ``Reshape`` given a batch of target shapes becomes a
+    ``Blockwise`` whose core input loses the static length-1 axes it broadcasts
+    (``(s * eps) @ L.T`` with a scale ``s``: "Runtime broadcasting not allowed" in the
+    step).
+    """
+    for node in io_toposort(list(graph_inputs(outputs)), outputs):
+        if isinstance(node.op, RandomVariable):
+            sizes = [node.op.size_param(node)]
+        elif isinstance(node.op, Alloc | Reshape):
+            sizes = node.inputs[1:]
+        else:
+            continue
+        if any(depends_on_any(x, [h]) for x in sizes):
+            return True
+    return False
 
 
 def _shared(value, name):
@@ -559,7 +559,7 @@ class MeanFieldHyperparameters:
         st = GaussianBlocks(self.cand_mean, self.cand_factor)
         draws = self._draws(st)
         singles = [*outs, grad]
-        if self.spec.fixed_shapes or _draws_sized_by(h, singles) or _shapes_depend_on(h, singles):
+        if self.spec.fixed_shapes or _sized_by(h, singles):
             singles = shapes_at_fixed(h, singles)
         batched = vectorize_graph(singles, {h: draws})
         w = pt.constant(self.w)

@@ -586,30 +586,29 @@ def averaged_view_factors(weights, factors, log_scales=None):
         ratio[0] += log_sds[0] - 0.5 * np.log(var_avg)
         if not (np.all(np.isfinite(L)) and np.all(np.isfinite(ratio))):
             return None
-        # the per-coordinate scaling is dropped only where it is clearly wrong on average
-        # and no scaling fits the re-fits better both at each point and on average
-        with np.errstate(all="ignore"):
-            # log det of each point's covariance in the data's coordinates, from its factor
-            logdets = [
-                np.sum(2.0 * ls - 2.0 * np.log(np.abs(np.diagonal(f[s], axis1=-2, axis2=-1))), -1)
-                for f, ls in zip(factors, seg_scales, strict=True)
-            ]
-            fit = (weights, covs, logdets, seg_scales, avg, prec, centre_at)
-            scaled = _scaling_misfits(*fit, ratio)
-            plain = _scaling_misfits(*fit, np.zeros_like(ratio))
-        # only where no data coordinate's scale moves with h (centered effects): with
-        # non-centered ones the scaling carries ``z``'s width where its scale is small,
-        # and the misfits have misjudged it (crossed non-centered Gaussian effects: plain
-        # preferred by both, its ``z`` draws 1.12-1.20x NUTS's sds against 1.00-1.05x)
-        moving = any(np.any(np.abs(ls) > 1e-8) for ls in seg_scales)
-        if (
-            not moving
-            and all(np.isfinite(plain))
-            and scaled[1] > MAX_SCALING_MISFIT
-            and plain[0] < scaled[0]
-            and plain[1] < scaled[1]
-        ):
-            ratio = np.zeros_like(ratio)
+        # The per-coordinate scaling is dropped only where no data coordinate's scale
+        # moves with h (centered effects; with non-centered ones it carries ``z``'s width
+        # where its scale is small, and the misfits have misjudged it: crossed
+        # non-centered Gaussian effects, plain preferred by both, their ``z`` draws
+        # 1.12-1.20x NUTS's sds against 1.00-1.05x), where it is clearly wrong on average
+        # and no scaling fits the re-fits better both at each point and on average.
+        if not any(np.any(np.abs(ls) > 1e-8) for ls in seg_scales):
+            with np.errstate(all="ignore"):
+                # log det of each point's covariance, from its factor
+                logdets = [
+                    -2.0 * np.sum(np.log(np.abs(np.diagonal(f[s], axis1=-2, axis2=-1))), -1)
+                    for f in factors
+                ]
+                fit = (weights, covs, logdets, avg, prec, centre_at)
+                scaled = _scaling_misfits(*fit, ratio)
+                plain = _scaling_misfits(*fit, np.zeros_like(ratio))
+            if (
+                all(np.isfinite(plain))
+                and scaled[1] > MAX_SCALING_MISFIT
+                and plain[0] < scaled[0]
+                and plain[1] < scaled[1]
+            ):
+                ratio = np.zeros_like(ratio)
         out.append(L)
         ratios.append(ratio)
     return out, ratios
@@ -635,7 +634,7 @@ def _kl(C, S):
     return 0.5 * float(np.sum(trace - k + np.linalg.slogdet(S)[1] - np.linalg.slogdet(C)[1]))
 
 
-def _scaling_misfits(weights, covs, logdets, seg_scales, avg, prec, centre_at, ratio):
+def _scaling_misfits(weights, covs, logdets, avg, prec, centre_at, ratio):
     """How far the draws' noise ``D avg D`` (``D`` the sd ratios ``ratio`` put together
     along the axes) is from the re-fitted conditional covariances ``C_p`` of the profile
     points: ``(pointwise, averaged)``.
@@ -644,11 +643,12 @@ def _scaling_misfits(weights, covs, logdets, seg_scales, avg, prec, centre_at, r
     with the axis marginal's weights (the shape of q(w | h) at each ``h``); from
     ``prec = avg^{-1}`` and the points' log determinants ``logdets``, without a
     factorization per point.
-    *averaged*: ``KL(N(0, E[C_p]) || N(0, E[D avg D]))`` with both sides in q(w)'s own
-    coordinates (the data's log scales ``seg_scales`` removed) and averaged over the axes
-    as :func:`averaged_view_factors` averages: the conditional part of the draws'
-    covariance, which the draws' marginals show. A relative error where a non-centered
-    ``z``'s scale is small is a large one in ``z`` there.
+    *averaged*: ``KL(N(0, E[C_p]) || N(0, E[D avg D]))``, averaged over the axes as
+    :func:`averaged_view_factors` averages: the conditional part of the draws'
+    covariance, which the draws' marginals show.
+
+    Used where the data's coordinates do not move with ``h``, so that these
+    covariances are also q(w)'s own.
     """
     n, k = weights.shape[0], avg.shape[-1]
     logdet_avg = np.linalg.slogdet(avg)[1]
@@ -662,17 +662,16 @@ def _scaling_misfits(weights, covs, logdets, seg_scales, avg, prec, centre_at, r
         )
         kl = 0.5 * float(np.sum(trace - k + logdet_avg + 2.0 * log_d.sum(-1) - logdets[p]))
         noise = avg * np.exp(log_d[..., :, None] + log_d[..., None, :])
-        unscale = np.exp(-(seg_scales[p][..., :, None] + seg_scales[p][..., None, :]))
         if axis is None:  # the centre: its own term, and its share of each axis's average
             pointwise += float(np.sum(w)) * kl
-            target[n], model[n] = covs[p] * unscale, noise * unscale
+            target[n], model[n] = covs[p], noise
             for j in range(n):
                 target[j] += w[j] * target[n]
                 model[j] += w[j] * model[n]
         else:
             pointwise += w * kl
-            target[axis] += w * covs[p] * unscale
-            model[axis] += w * noise * unscale
+            target[axis] += w * covs[p]
+            model[axis] += w * noise
     # additive over the axes around the centre, as the averaged covariance itself
     T = target[n] + sum(target[j] - target[n] for j in range(n))
     M = model[n] + sum(model[j] - model[n] for j in range(n))

@@ -594,17 +594,24 @@ class StructuredApproximation(Approximation):
         mean by 3.5), or fail on its new length; ``approx.sample()`` is the
         posterior of the fitted data, as with ``pm.ADVI``.
         """
-        changed = {}
-        for var, value in self.fitted_data_values.items():
-            now = var.get_value(borrow=True)
-            if np.shape(now) != np.shape(value) or not np.array_equal(now, value):
-                changed[var] = now
-                var.set_value(value, borrow=True)
+        changed = self.changed_data()
+        for var in changed:
+            var.set_value(self.fitted_data_values[var], borrow=True)
         try:
             yield
         finally:
             for var, now in changed.items():
                 var.set_value(now, borrow=True)
+
+    def changed_data(self) -> dict:
+        """The model's data containers and shared dim lengths whose values differ from
+        the fitted ones (``pm.set_data`` since the fit), with their current values."""
+        out = {}
+        for var, value in self.fitted_data_values.items():
+            now = var.get_value(borrow=True)
+            if not np.array_equal(now, value):
+                out[var] = now
+        return out
 
     @contextlib.contextmanager
     def _fitted_coords(self):
@@ -617,7 +624,7 @@ class StructuredApproximation(Approximation):
         if isinstance(coords, dict):
             for name, value in self.fitted_coords.items():
                 now = coords.get(name)
-                if now is not None and (len(now) != len(value) or tuple(now) != tuple(value)):
+                if now is not None and tuple(now) != tuple(value):
                     changed[name] = now
                     coords[name] = value
         try:

@@ -1026,7 +1026,7 @@ class StructuredVI(Inference):
         if max_iter <= 0:
             raise ValueError(f"max_iter must be positive, got {max_iter!r}")
         callbacks = list(callbacks or [])
-        if _data_changed(self.approx.fitted_data_values, self.model):
+        if self.approx.changed_data():
             # ``pm.set_data`` since the last fit: the stored bound (and the derivatives
             # behind the pending candidate) are the old data's, against which every step
             # would be judged. The current q is re-evaluated on the new data and accepted.
@@ -1610,15 +1610,6 @@ def _start_sigmas(start_sigma, tlm, dim, offsets):
             raise ValueError(f"start_sigma[{name!r}] must be positive and finite, got {value!r}")
         target[o : o + n] = sd
     return sigma, (hyper_sd if n_h else None)
-
-
-def _data_changed(fitted: dict, model) -> bool:
-    """Whether a shared data container or dim length of ``model`` differs from ``fitted``
-    (:func:`_data_values` at the end of the last fit; empty before the first)."""
-    return any(
-        not np.array_equal(np.asarray(var.get_value(borrow=True)), value)
-        for var, value in fitted.items()
-    )
 
 
 def _data_values(model) -> dict:

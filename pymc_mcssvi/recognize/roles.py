@@ -61,20 +61,21 @@ from pymc_mcssvi.recognize.zerosum import LinearZeroSumTransform
 __all__ = ["Roles", "assign_roles", "base_op", "dist_params", "loc_and_others"]
 
 
+def _carrier(rv):
+    """The variable carrying ``rv``'s distribution (through minibatching)."""
+    op = rv.owner.op
+    return _carrier(rv.owner.inputs[0]) if isinstance(op, MinibatchRandomVariable) else rv
+
+
 def base_op(rv):
     """Distribution op of a variable and the variable carrying it (through minibatching).
 
     A ``pm.CustomDist`` whose ``dist`` is a plain ``pm.Normal.dist`` of its inputs has
     the Normal's op (:func:`_custom_normal`).
     """
-    op = rv.owner.op
-    if isinstance(op, MinibatchRandomVariable):
-        inner = rv.owner.inputs[0]
-        return base_op(inner)
-    custom = _custom_normal(rv)
-    if custom is not None:
-        return custom[0], rv
-    return op, rv
+    base = _carrier(rv)
+    custom = _custom_normal(base)
+    return (base.owner.op if custom is None else custom[0]), base
 
 
 def _custom_normal(rv):
@@ -96,19 +97,17 @@ def _custom_normal(rv):
     except Exception:  # noqa: BLE001  (an inner graph PyTensor cannot inline)
         return None
     (draw,) = [o for o in inlined if not isinstance(o.type, RandomType)]
-    if draw.owner is None or not isinstance(draw.owner.op, NormalRV):
-        return None
     mu, sigma = draw.owner.op.dist_params(draw.owner)
     return draw.owner.op, [mu, sigma]
 
 
 def dist_params(rv):
-    op, base = base_op(rv)
+    base = _carrier(rv)
     custom = _custom_normal(base)
     if custom is not None:
         return list(custom[1])
     try:
-        return list(op.dist_params(base.owner))
+        return list(base.owner.op.dist_params(base.owner))
     except ValueError:
         # a SymbolicRandomVariable without an extended signature (PyMC's pm.Truncated of
         # a discrete distribution, a scan): its inputs other than random generators

@@ -424,6 +424,19 @@ def test_confounded_noncentered_effects_against_nuts():
         assert np.all(np.abs(ratio - 1) < sd_tol), (name, np.round(ratio, 3))
 
 
+def _view_and_refitted_draws(monkeypatch, approx, name, n_view, n_exact):
+    """Draws of ``name`` from the conditional view (seed 2) and from q(w | h) re-fitted at
+    each draw of the hyperparameters (seed 3), flattened to ``(draws, -1)``."""
+    from pymc_mcssvi.pymc import conditional
+
+    monkeypatch.setattr(conditional, "EXACT_CONDITIONAL_WORK", 0.0)  # draws from the view
+    view = approx.sample(n_view, random_seed=2).posterior[name].values.reshape(n_view, -1)
+    monkeypatch.setattr(conditional, "EXACT_CONDITIONAL_WORK", 1e14)
+    monkeypatch.setattr(conditional, "EXACT_CONDITIONAL_BYTES", 1e14)
+    exact = approx.sample(n_exact, random_seed=3).posterior[name].values.reshape(n_exact, -1)
+    return view, exact
+
+
 def test_view_follows_an_hsgp_scale_that_is_not_linear_in_h(monkeypatch):
     """An HSGP's basis coefficients enter the predictor scaled by the square root of the
     spectral density, a non-linear function of ``log ell`` and ``log eta``: the log scales
@@ -432,7 +445,6 @@ def test_view_follows_an_hsgp_scale_that_is_not_linear_in_h(monkeypatch):
     draw (4.0x before the data's coordinates). They are now computed on the tensor grid
     of the axes' nodes and interpolated (measured: sds 0.98-1.29x, means within 0.17 sd
     of the re-fitted draws, which are within 5% of NUTS's; before, means 0.25 sd off)."""
-    from pymc_mcssvi.pymc import conditional
 
     rng = np.random.default_rng(18)
     x = np.sort(rng.uniform(0, 10, 300))
@@ -449,11 +461,7 @@ def test_view_follows_an_hsgp_scale_that_is_not_linear_in_h(monkeypatch):
         inf = pymc_mcssvi.HMCSSVI(random_seed=1)
         approx = inf.fit(progressbar=False)
     assert int(inf._view.on.get_value()) == 1
-    monkeypatch.setattr(conditional, "EXACT_CONDITIONAL_WORK", 0.0)
-    view = approx.sample(4000, random_seed=2).posterior["f"].values.reshape(4000, -1)
-    monkeypatch.setattr(conditional, "EXACT_CONDITIONAL_WORK", 1e14)
-    monkeypatch.setattr(conditional, "EXACT_CONDITIONAL_BYTES", 1e14)
-    exact = approx.sample(1000, random_seed=3).posterior["f"].values.reshape(1000, -1)
+    view, exact = _view_and_refitted_draws(monkeypatch, approx, "f", 4000, 1000)
     ratio = view.std(0) / exact.std(0)
     assert np.all(np.abs(ratio - 1) < 0.3), np.round([ratio.min(), ratio.max()], 3)
     z_err = (view.mean(0) - exact.mean(0)) / exact.std(0)
@@ -574,7 +582,6 @@ def test_view_draws_of_crossed_centered_effects_with_an_interaction(monkeypatch)
     view's draws of the cell sums had 1.2-1.7x the sds of the same cells re-fitted at each
     draw (and of NUTS's) although every free variable's sd was within 8% of NUTS's; now
     within 8% of the re-fits."""
-    from pymc_mcssvi.pymc import conditional
 
     rng = np.random.default_rng(107)
     A, B, N = 4, 5, 300
@@ -592,10 +599,6 @@ def test_view_draws_of_crossed_centered_effects_with_an_interaction(monkeypatch)
         pm.Binomial("k", n=n, logit_p=mu + a[i1] + b[i2] + ab[i1, i2], observed=k)
     with m:
         approx = pm.fit(method="hmcssvi", random_seed=1, progressbar=False)
-    monkeypatch.setattr(conditional, "EXACT_CONDITIONAL_WORK", 0.0)  # draws from the view
-    view = approx.sample(8000, random_seed=2).posterior["cell"].values.reshape(8000, -1)
-    monkeypatch.setattr(conditional, "EXACT_CONDITIONAL_WORK", 1e14)
-    monkeypatch.setattr(conditional, "EXACT_CONDITIONAL_BYTES", 1e14)
-    exact = approx.sample(2000, random_seed=3).posterior["cell"].values.reshape(2000, -1)
+    view, exact = _view_and_refitted_draws(monkeypatch, approx, "cell", 8000, 2000)
     ratio = view.std(0) / exact.std(0)
     assert np.all(np.abs(ratio - 1) < 0.08), np.round([ratio.min(), ratio.max()], 3)

@@ -9,6 +9,10 @@ For a log density :math:`\ell(w)` that does not factor through an affine predict
 
 estimated with reparameterized draws ``w = m + A eps``. The gradient and the
 Hessian of the sum are symbolic (PyTensor autodiff), vectorized over the draws.
+Only q's blocks of ``H`` are needed: the Hessian is formed from Hessian-vector
+products, one per coordinate, except for the matrices whose rows the terms never
+couple (:func:`~pymc_mcssvi.recognize.separable.separable_rows`), which take one
+product per column ("colored" directions: coordinate ``k`` of every row at once).
 
 Draws are either fresh each iteration (unbiased, the paper's estimator) or
 *fixed* for the whole fit (a sample-average approximation: the bound becomes a
@@ -20,7 +24,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytensor.tensor as pt
-from pytensor.gradient import jacobian
 from pytensor.graph.replace import graph_replace, vectorize_graph
 
 from pymc_mcssvi.families.gaussian import sample
@@ -77,9 +80,14 @@ class GeneralEstimator:
         total = pt.sum([pt.sum(t.logp) for t in tlm.general_terms])
         total = graph_replace(total, repl, strict=False)
         grad = pt.grad(total, w)
-        hess = jacobian(grad, w, vectorize=True)
+        # one Hessian-vector product per color: coordinate k of every row of the
+        # row-separable globals at once, and one per coordinate of the others
+        colors, self._color_of = _colors(tlm, self.offsets, self.dim)
+        c = pt.vector("color", shape=(self.dim,))
+        hvp = pt.grad(pt.sum(grad * c), w)
+        hess = vectorize_graph(hvp, {c: pt.constant(colors)})  # (C, dim)
         self._w = w
-        self._graphs = (total, grad, 0.5 * (hess + hess.T))
+        self._graphs = (total, grad, hess)
 
     def _eps(self, seg):
         shape = (self.n_draws, seg.rows, seg.k)
@@ -104,6 +112,55 @@ class GeneralEstimator:
         grads = [g[idx] for idx in self.maps]
         if not need_hessian:
             return T, grads, [None] * len(states)
-        H = pt.mean(vals[2], axis=0)
-        hess = [H[idx[:, :, None], idx[:, None, :]] for idx in self.maps]
+        HV = pt.mean(vals[2], axis=0)
+        hess = []
+        for idx in self.maps:
+            ci, pi, known = _block_entries(idx, self._color_of)
+            blocks = pt.switch(known, HV[ci, pi], 0.0)
+            hess.append(0.5 * (blocks + blocks.dimshuffle(0, 2, 1)))
         return T, grads, hess
+
+
+def _colors(tlm, offsets, dim):
+    """The directions of the Hessian-vector products, ``(C, dim)``, and per flat
+    coordinate ``(color, row)``: the color whose product holds that coordinate's
+    column, and the row of a row-separable global (``-1`` for the others)."""
+    color_of = np.zeros((dim, 2), dtype="int64")
+    colors = []
+    for i, g in enumerate(tlm.gaussians):
+        pos = offsets[i] + np.arange(g.size)
+        if i in tlm.general_rows:
+            R = g.shape[0]
+            per_row = pos.reshape(R, -1)
+            for k in range(per_row.shape[1]):
+                v = np.zeros(dim)
+                v[per_row[:, k]] = 1.0
+                color_of[per_row[:, k]] = [len(colors), -1]
+                colors.append(v)
+            color_of[pos, 1] = np.repeat(np.arange(R), per_row.shape[1])
+        else:
+            for p in pos:
+                v = np.zeros(dim)
+                v[p] = 1.0
+                color_of[p] = [len(colors), -1]
+                colors.append(v)
+    return np.stack(colors), color_of
+
+
+def _block_entries(idx, color_of):
+    """Where each entry ``H[idx[r, j], idx[r, k]]`` of a segment's blocks is in the
+    colored products ``HV``: ``(color, position, known)`` arrays of shape ``(R, K, K)``.
+
+    A coordinate of a global that is not row-separable has its own color, whose
+    product is its column of ``H`` (the row of either coordinate by symmetry). Two
+    coordinates of the row-separable globals: in the same row, the product of the
+    second one's color at the first one's position; in different rows ``H`` is 0.
+    """
+    a = idx[:, :, None] * np.ones_like(idx)[:, None, :]  # H[a, b]
+    b = idx[:, None, :] * np.ones_like(idx)[:, :, None]
+    row_a, row_b = color_of[a, 1], color_of[b, 1]
+    own_b = row_b < 0
+    ci = np.where(own_b, color_of[b, 0], np.where(row_a < 0, color_of[a, 0], color_of[b, 0]))
+    pi = np.where(own_b, a, np.where(row_a < 0, b, a))
+    known = own_b | (row_a < 0) | (row_a == row_b)
+    return ci, pi, known

@@ -261,6 +261,10 @@ class TwoLevelModel:
     scaling: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     bilinear_terms: list[BilinearTerm] = field(default_factory=list)
+    #: Ids of the Gaussian globals (matrices with the same number of rows) whose rows
+    #: the general terms never couple: their Hessian comes from colored
+    #: Hessian-vector products (:func:`~pymc_mcssvi.recognize.separable.separable_rows`).
+    general_rows: tuple[int, ...] = ()
 
     @property
     def gaussian_values(self) -> list[Variable]:

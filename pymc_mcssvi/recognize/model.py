@@ -42,6 +42,7 @@ from pymc_mcssvi.recognize.likelihood import (
     likelihood_term,
 )
 from pymc_mcssvi.recognize.roles import assign_roles, base_op, dist_params, loc_and_others
+from pymc_mcssvi.recognize.separable import separable_rows
 from pymc_mcssvi.recognize.zerosum import zerosum_as_linear
 
 __all__ = ["MAX_GENERAL_DIM", "recognize"]
@@ -149,17 +150,7 @@ def _recognize(model, cov, bound, inner, n_inner) -> TwoLevelModel:
                 UserWarning,
                 stacklevel=2,
             )
-        if getattr(op, "ndim_supp", 0) > 0:
-            raise UnsupportedModelError(
-                obs.name,
-                f"its likelihood ({type(op).__name__}) is multivariate, so its log density is not "
-                "elementwise in a predictor",
-                "write it with univariate likelihoods: counts over categories as a "
-                "pm.Categorical with one row per counted item (long format) or as independent "
-                "pm.Poisson counts with a free intercept per row (the Poisson trick); "
-                "a multivariate normal outcome as a regression of each column on the previous "
-                "ones; or fit it with pm.fit(method='fullrank_advi')",
-            )
+        multivariate = getattr(op, "ndim_supp", 0) > 0
         suffix = ""
         if obs.name in local_of:
             lc = local_of[obs.name]
@@ -178,6 +169,12 @@ def _recognize(model, cov, bound, inner, n_inner) -> TwoLevelModel:
             forms[obs.name] = "constant (no Gaussian global)" + suffix
             continue
         check_gather_indices(obs.name, logp, gvalues)
+        if multivariate:
+            # not elementwise in a predictor: its log density over the support (a
+            # Multinomial's counts, an MvNormal outcome) by Monte Carlo + autodiff
+            forms[obs.name] = f"general ({type(op).__name__}: multivariate)" + suffix
+            general_terms.append(GeneralTerm(obs.name, logp, forms[obs.name]))
+            continue
         term = likelihood_term(obs.name, logp, gvalues, gshapes, point)
         if term is not None:
             predictor_terms.append(term)
@@ -212,16 +209,6 @@ def _recognize(model, cov, bound, inner, n_inner) -> TwoLevelModel:
                 f"pm.Potential {name!r} does not involve the Gaussian globals: added to the bound as is."
             )
 
-    dim = sum(g.size for g in gaussians)
-    if general_terms and dim > MAX_GENERAL_DIM:
-        names = ", ".join(t.name for t in general_terms)
-        raise UnsupportedModelError(
-            names,
-            f"depends on the {dim} Gaussian dimensions non-affinely; the Monte Carlo + autodiff path forms "
-            f"{dim} x {dim} Hessians and is limited to {MAX_GENERAL_DIM} dimensions",
-            "write the likelihood through an affine predictor (e.g. X @ w) or reduce the number of Gaussian globals",
-        )
-
     # the terms added to a bilinear product read the globals as any affine predictor
     affine_terms = predictor_terms + [b.affine for b in bilinear_terms if b.affine is not None]
     joint = _joint_blocks(affine_terms, gaussians)
@@ -230,7 +217,7 @@ def _recognize(model, cov, bound, inner, n_inner) -> TwoLevelModel:
         gaussians, cov, joint, row_blocks=bilinear_sources, crossed=crossed
     )
     segments = build_segments(gaussians, structure, joint)
-    return TwoLevelModel(
+    tlm = TwoLevelModel(
         model=model,
         gaussians=gaussians,
         segments=segments,
@@ -246,9 +233,32 @@ def _recognize(model, cov, bound, inner, n_inner) -> TwoLevelModel:
         notes=notes,
         bilinear_terms=bilinear_terms,
     )
+    if general_terms:
+        _check_general_dim(tlm, roles.initial_point)
+    return tlm
 
 
 # ------------------------------------------------------------------------ checks
+def _check_general_dim(tlm, point):
+    """Record the Gaussian globals whose rows the general terms never couple, and refuse
+    Hessians of more than :data:`MAX_GENERAL_DIM` directions."""
+    tlm.general_rows = separable_rows(tlm.gaussians, tlm.general_terms, tlm.model, point)
+    size = sum(
+        g.size // g.shape[0] if i in tlm.general_rows else g.size
+        for i, g in enumerate(tlm.gaussians)
+    )
+    if size > MAX_GENERAL_DIM:
+        names = ", ".join(t.name for t in tlm.general_terms)
+        raise UnsupportedModelError(
+            names,
+            f"depends on the {tlm.dim} Gaussian dimensions non-affinely and couples their rows; "
+            f"the Monte Carlo + autodiff path forms Hessians of {size} directions and is "
+            f"limited to {MAX_GENERAL_DIM}",
+            "write the likelihood through an affine predictor (e.g. X @ w) or reduce the "
+            "number of Gaussian globals",
+        )
+
+
 def _check_imputation(model):
     free = {rv.name for rv in model.free_RVs}
     for obs in model.observed_RVs:

@@ -168,3 +168,49 @@ def test_sensitivities_are_the_design_column_norms(rng, cov):
             gl = inf.tlm.gaussians[gid]
             vals = np.asarray(out)[seg.row_of[gid], seg.col_of[gid]]
             np.testing.assert_allclose(vals.reshape(want[gl.name].shape), want[gl.name], rtol=1e-5)
+
+
+@pytest.mark.parametrize("cov", ["full", "block"])
+def test_colored_hessian_of_row_separable_general_term(rng, cov):
+    """A correlated topic model's likelihood ``softmax(eta[d]) @ beta`` (multinomial,
+    a general term) never couples two documents: its Hessian blocks come from one
+    Hessian-vector product per topic. ``g`` and ``H`` are the exact derivatives of the
+    fixed-draw objective (``H = dg/dm``, including the zeros between documents in the
+    full layout and the couplings with ``mu``, which has its own products)."""
+    D, K, V = 5, 2, 6
+    beta = rng.dirichlet(np.ones(V), size=K)
+    counts = rng.multinomial(12, np.ones(V) / V, size=D)
+    with pm.Model():
+        mu = pm.Normal("mu", 0, 1, shape=K)
+        eta = pm.Normal("eta", mu, 1.0, shape=(D, K))
+        p = pm.math.softmax(eta, axis=-1) @ beta + 0.01 * pm.math.sigmoid(mu.sum())
+        pm.Multinomial("w", n=counts.sum(1), p=p / p.sum(-1, keepdims=True), observed=counts)
+        inf = pymc_mcssvi.MCSSVI(n_draws=8, cov={"eta": cov, "mu": "full"})
+    assert inf.tlm.observed["w"] == "general (MultinomialRV: multivariate)"
+    assert inf.tlm.general_rows == (1,)
+    k, fn = _functions(inf)
+    means = [rng.normal(size=m.get_value().shape) * 0.3 for m in k.cand_mean]
+    covs = [
+        np.broadcast_to(0.05 * np.eye(f.get_value().shape[-1]), f.get_value().shape).copy()
+        for f in k.cand_factor
+    ]
+    _set(k, means, covs)
+    out = fn()
+    grads, hess = out[1 : 1 + k.nseg], out[1 + k.nseg :]
+    h = 1e-6
+    for s in range(k.nseg):
+        R, K_s = means[s].shape
+        for r in range(R):
+            for i in range(K_s):
+                mp, mm = [m.copy() for m in means], [m.copy() for m in means]
+                mp[s][r, i] += h
+                mm[s][r, i] -= h
+                _set(k, mp, covs)
+                Ep, gp = (lambda o: (o[0], o[1 + s]))(fn())
+                _set(k, mm, covs)
+                Em, gm = (lambda o: (o[0], o[1 + s]))(fn())
+                np.testing.assert_allclose(grads[s][r, i], (Ep - Em) / (2 * h), rtol=1e-6)
+                np.testing.assert_allclose(
+                    hess[s][r, :, i], (gp - gm)[r] / (2 * h), rtol=1e-5, atol=1e-6
+                )
+    assert any(np.abs(H).max() > 0.1 for H in hess)

@@ -78,14 +78,6 @@ def test_missing_values_imputed_by_pymc():
             pm.fit(method="mcssvi")
 
 
-def test_multivariate_observed():
-    with pm.Model():
-        mu = pm.Normal("mu", 0, 1, shape=2)
-        pm.MvNormal("y", mu, cov=np.eye(2), observed=np.zeros((5, 2)))
-        with pytest.raises(UnsupportedModelError, match="'y'.*multivariate"):
-            pm.fit(method="mcssvi")
-
-
 def test_discrete_free_variable():
     with pm.Model():
         k = pm.Poisson("k", 3.0)

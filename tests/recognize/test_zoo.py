@@ -134,6 +134,12 @@ ZOO: dict[str, dict] = {
     "multinomial_logistic": dict(
         roles={"W": GAUSS}, predictor={"y": "general"}, q={"W": "full (9 x 9)"}
     ),
+    # a multivariate likelihood: its log density over the support by Monte Carlo + autodiff
+    "multivariate_observed": dict(
+        roles={"mu": GAUSS},
+        predictor={"Y": "general (MvNormalRV: multivariate)"},
+        q={"mu": "full (2 x 2)"},
+    ),
     # two predictors (location and log scale)
     "heteroskedastic": dict(
         roles={"w": GAUSS, "v": GAUSS},
@@ -588,7 +594,6 @@ ERRORS = [
     ("gaussian_latent_only", "f", "no Gaussian"),
     ("missing_observed", "y", "missing values"),
     ("nan_design_matrix", "y", "contains NaN values"),
-    ("multivariate_observed", "Y", "multivariate"),
     ("discrete_scalar_latent", "k", "discrete free variable"),
     ("bernoulli_wrong_size", "z", "discrete free variable"),
     ("bernoulli_shared_by_two_observed", "z", "discrete free variable"),

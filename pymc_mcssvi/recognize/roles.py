@@ -459,7 +459,9 @@ def assign_roles(model) -> Roles:
         raise UnsupportedModelError(
             names,
             "the model has no Gaussian (pm.Normal / pm.MvNormal) or Rayleigh global variable for the structured q",
-            "give the regression coefficients Normal priors, or use pm.fit(method='advi') for this model",
+            "give the regression coefficients Normal priors (for proportions such as a "
+            "Dirichlet topic model's, softmax of Normal logits: a correlated topic model), "
+            "or use pm.fit(method='advi') for this model",
         )
     return roles
 

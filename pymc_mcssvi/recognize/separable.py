@@ -1,9 +1,9 @@
 r"""Gaussian globals whose rows a general (Monte Carlo + autodiff) term never couples.
 
 A general term's Hessian is needed only in q(w)'s blocks. When the term never
-couples two rows of a set of matrices with the same number of rows (a
+couples two rows of a set of globals with the same number of rows (a
 correlated topic model's documents ``softmax(eta[d]) @ beta``, per-group
-effects inside a non-affine likelihood), its Hessian restricted to them is
+effects ``a[g]`` inside a non-affine likelihood), its Hessian restricted to them is
 block diagonal by row, and every row's block comes from one Hessian-vector
 product per column with "colored" directions (coordinate ``k`` of every row at
 once) instead of one per coordinate
@@ -39,10 +39,12 @@ SEPARABLE_TOL = 1e-10
 def separable_rows(gaussians, general_terms, model, point, seed: int = 0) -> tuple[int, ...]:
     """Ids of the Gaussian globals whose rows the general terms never couple.
 
-    Candidates are the matrices (two or more dimensions) with the same number of
-    rows ``R > 1``, largest total size first; the first candidate set that
-    passes the probes is returned (one set: its colored products are exact only
-    when no other set is colored), else ``()``.
+    Candidates are the globals with the same number of rows ``R > 1`` (a vector's
+    rows are its entries: group effects ``a[g]`` inside a non-affine likelihood),
+    each member probed alone, then the members that pass together (else the
+    largest of them); the largest passing set over the numbers of rows is
+    returned (one set: its colored products are exact only when no other set is
+    colored), else ``()``.
 
     Parameters
     ----------
@@ -65,11 +67,13 @@ def separable_rows(gaussians, general_terms, model, point, seed: int = 0) -> tup
     >>> recognize(m).general_rows  # eta, the second Gaussian global
     (1,)
     """
+    total = pt.sum([pt.sum(t.logp) for t in general_terms]) if general_terms else None
+    used = set(graph_inputs([total])) if general_terms else set()
     candidates: dict[int, list[int]] = {}
     for i, g in enumerate(gaussians):
-        if len(g.shape) >= 2 and g.shape[0] > 1:
+        if len(g.shape) >= 1 and g.shape[0] > 1 and g.value in used:
             candidates.setdefault(int(g.shape[0]), []).append(i)
-    if not general_terms or not candidates:
+    if not candidates:
         return ()
     offsets = np.cumsum([0] + [g.size for g in gaussians])
     dim = int(offsets[-1])
@@ -79,8 +83,7 @@ def separable_rows(gaussians, general_terms, model, point, seed: int = 0) -> tup
         for g, o in zip(gaussians, offsets, strict=False)
     }
     value_vars = set(model.value_vars) - set(repl)
-    total = pt.sum([pt.sum(t.logp) for t in general_terms])
-    for v in graph_inputs([total]):
+    for v in used:
         if v in value_vars:
             repl[v] = pt.constant(np.asarray(point[v.name], dtype=v.dtype))
     total = graph_replace(total, repl, strict=False)
@@ -94,16 +97,25 @@ def separable_rows(gaussians, general_terms, model, point, seed: int = 0) -> tup
     g0 = grad_fn(w0)
     if not np.all(np.isfinite(g0)):
         return ()
-    by_size = sorted(candidates.items(), key=lambda kv: -sum(gaussians[i].size for i in kv[1]))
-    for R, members in by_size:
-        # (R, n) flat positions of each row's coordinates, over the members
-        rows = np.concatenate(
-            [offsets[i] + np.arange(gaussians[i].size).reshape(R, -1) for i in members],
-            axis=1,
+
+    def rows_of(members, R):  # (R, n) flat positions of each row's coordinates
+        return np.concatenate(
+            [offsets[i] + np.arange(gaussians[i].size).reshape(R, -1) for i in members], axis=1
         )
-        if _rows_uncoupled(grad_fn, w0, g0, rows, rng):
-            return tuple(members)
-    return ()
+
+    def passes(members, R):
+        return _rows_uncoupled(grad_fn, w0, g0, rows_of(members, R), rng)
+
+    # per number of rows: the members that pass alone, then together (else the largest
+    # of them alone); the largest passing set over all numbers of rows
+    best: tuple[int, ...] = ()
+    for R, members in candidates.items():
+        alone = [i for i in members if passes([i], R)]
+        if len(alone) > 1 and not passes(alone, R):
+            alone = [max(alone, key=lambda i: gaussians[i].size)]
+        if sum(gaussians[i].size for i in alone) > sum(gaussians[i].size for i in best):
+            best = tuple(alone)
+    return best
 
 
 def _rows_uncoupled(grad_fn, w0, g0, rows, rng) -> bool:

@@ -45,3 +45,29 @@ def test_hessian_directions_above_the_limit_name_the_term():
     assert tlm.general_rows == (1,) and tlm.dim > MAX_GENERAL_DIM
     with pytest.raises(UnsupportedModelError, match="'lik'.*couples their rows"):
         recognize(_topics(lambda eta: 0.1 * pt.sum(eta[1:] * eta[:-1]), D=D))
+
+
+def test_group_effects_of_a_non_affine_likelihood_are_separable():
+    """Vectors of group effects are rows of one entry: ``a[g]`` and ``log_alpha[g]`` in a
+    negative binomial (a general term, both parameters depend on Gaussian globals) form
+    one separable set; fixed effects with as many entries as there are groups couple and
+    are left out (the set is tried again without them)."""
+    import numpy as np
+
+    rng = np.random.default_rng(3)
+    G, N = 3, 60
+    g = rng.integers(0, G, N)
+    X = rng.normal(size=(N, G))
+    with pm.Model() as m:
+        a = pm.Normal("a", 0, 1, shape=G)
+        log_alpha = pm.Normal("log_alpha", 1, 0.5, shape=G)
+        b = pm.Normal("b", 0, 1, shape=G)
+        pm.NegativeBinomial(
+            "y",
+            mu=pm.math.exp(a[g] + X @ b),
+            alpha=pm.math.exp(log_alpha)[g],
+            observed=rng.poisson(2.0, N),
+        )
+    tlm = recognize(m)
+    assert tlm.observed["y"] == "general"
+    assert [tlm.gaussians[i].name for i in tlm.general_rows] == ["a", "log_alpha"]

@@ -42,7 +42,7 @@ from pytensor.tensor.shape import SpecifyShape
 
 from pymc_mcssvi.estimators.quadrature import gauss_hermite
 from pymc_mcssvi.exceptions import UnsupportedModelError
-from pymc_mcssvi.recognize.graph import as_float, remove_checks
+from pymc_mcssvi.recognize.graph import as_float, remove_checks, shape64
 from pymc_mcssvi.recognize.roles import base_op, dist_params
 
 __all__ = ["MAX_NEWTON_STEP", "NEWTON_STEPS", "isolate_addend", "laplace_nodes", "marginal_logp"]
@@ -81,7 +81,7 @@ def marginal_logp(
     if local.kind == "discrete":
         return minibatch_scale * _enumerate(model, local, logp_y, bound)
 
-    loc, scale = (pt.broadcast_to(as_float(p), shape) for p in params)
+    loc, scale = (pt.broadcast_to(as_float(p), shape64(shape)) for p in params)
     closed = _gaussian_closed_form(obs, value, logp_y, loc, scale, bound, model)
     if closed is not None:
         return minibatch_scale * closed
@@ -263,7 +263,7 @@ def _enumerate(model, local, logp_y, bound):
     value = local.value
     logp_z = remove_checks(model.logp(vars=[local.rv], sum=False)[0])
     ks = pt.constant(np.arange(K).reshape((K,) + (1,) * len(local.shape)).astype(value.dtype))
-    ks = pt.broadcast_to(ks, (K, *local.shape))
+    ks = pt.broadcast_to(ks, shape64((K, *local.shape)))
     prior = vectorize_graph(logp_z, {value: ks})
     lik = vectorize_graph(logp_y, {value: ks})
     if bound == "optimal":

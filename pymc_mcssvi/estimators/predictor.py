@@ -29,6 +29,7 @@ import numpy as np
 import pytensor.tensor as pt
 
 from pymc_mcssvi.recognize.affine import LinearTerm
+from pymc_mcssvi.recognize.graph import shape64
 from pymc_mcssvi.recognize.ir import PredictorTerm, Segment
 
 __all__ = ["PredictorGeometry", "SegmentPieces"]
@@ -170,7 +171,7 @@ class PredictorGeometry:
         mu = (
             pt.zeros((n,))
             if offset is None
-            else pt.broadcast_to(offset, self.term.eta_shape).reshape((n,))
+            else pt.broadcast_to(offset, shape64(self.term.eta_shape)).reshape((n,))
         )
         var = pt.zeros((n,))
         for p in self.pieces:

@@ -31,7 +31,7 @@ from pymc.variational.opvi import Group, node_property
 from pytensor.graph.replace import vectorize_graph
 
 from pymc_mcssvi.bounds.locals import laplace_nodes
-from pymc_mcssvi.recognize.graph import as_float, remove_checks
+from pymc_mcssvi.recognize.graph import as_float, remove_checks, shape64
 from pymc_mcssvi.recognize.roles import dist_params
 from pymc_mcssvi.recognize.stabilize import stable_logp
 
@@ -236,7 +236,7 @@ def _gaussian_local_moments(model, lc, n_inner):
     likelihood, :func:`~pymc_mcssvi.bounds.locals.laplace_nodes`)."""
     logp_y = _observed_logp(model, lc)
     loc, scale = (
-        pt.broadcast_to(as_float(p), lc.shape)
+        pt.broadcast_to(as_float(p), shape64(lc.shape))
         for p in model.replace_rvs_by_values(dist_params(lc.rv))
     )
     nodes, logw = laplace_nodes(logp_y, lc.value, loc, scale, n_inner)

@@ -45,6 +45,8 @@ from pytensor.tensor.subtensor import (
     indices_from_subtensor,
 )
 
+from pymc_mcssvi.recognize.graph import shape64
+
 __all__ = ["AffineForm", "LinearTerm", "linearize", "depends_on"]
 
 
@@ -441,7 +443,7 @@ class _Linearizer:
         terms = [_merge_into_contraction(_pad_left(t, inp.ndim), axes, shape) for t in a.terms]
         off = None if a.offset is None else node.op(a.offset)
         if a.offset is not None and a.offset.ndim < inp.ndim:
-            off = pt.sum(pt.broadcast_to(a.offset, shape), axis=axes)
+            off = pt.sum(pt.broadcast_to(a.offset, shape64(shape)), axis=axes)
         return AffineForm(var.ndim, off, terms)
 
     def _subtensor(self, var, node):
@@ -466,7 +468,9 @@ class _Linearizer:
             if t.is_dense and (t.vals is not None):
                 # Same columns everywhere: index the coefficients only.
                 k = t.cols.shape[-1]
-                vals = pt.broadcast_to(t.vals, (*shape, pt.maximum(k, t.vals.shape[-1])))[indices]
+                vals = pt.broadcast_to(t.vals, shape64((*shape, pt.maximum(k, t.vals.shape[-1]))))[
+                    indices
+                ]
                 cols = t.cols.reshape((*([1] * var.ndim), k), ndim=var.ndim + 1)
                 terms.append(LinearTerm(t.source, cols, vals))
                 continue
@@ -474,7 +478,7 @@ class _Linearizer:
             terms.append(t.map(lambda c: c[indices]))
         off = None
         if a.offset is not None:
-            off = pt.broadcast_to(a.offset, shape)[indices]
+            off = pt.broadcast_to(a.offset, shape64(shape))[indices]
         return AffineForm(var.ndim, off, terms)
 
     def _reshape(self, var, node):
@@ -491,7 +495,7 @@ class _Linearizer:
         off = (
             None
             if a.offset is None
-            else pt.broadcast_to(a.offset, shape).reshape(new, ndim=var.ndim)
+            else pt.broadcast_to(a.offset, shape64(shape)).reshape(new, ndim=var.ndim)
         )
         return AffineForm(var.ndim, off, terms)
 
@@ -546,7 +550,7 @@ class _Linearizer:
             offsets.append(
                 pt.zeros(pshape, dtype=var.dtype)
                 if f.offset is None
-                else pt.broadcast_to(f.offset, pshape).astype(var.dtype)
+                else pt.broadcast_to(f.offset, shape64(pshape)).astype(var.dtype)
             )
         off = pt.join(axis, *offsets) if concat else pt.stack(offsets)
         terms = []

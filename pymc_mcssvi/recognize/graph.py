@@ -23,6 +23,7 @@ __all__ = [
     "is_separable",
     "observed_data",
     "remove_checks",
+    "shape64",
     "static_shape",
 ]
 
@@ -234,3 +235,25 @@ def as_float(x):
     """``x`` as float64 (PyTensor stores constants such as 2.0 as float32)."""
     x = pt.as_tensor(x)
     return x if x.dtype == "float64" else pt.cast(x, "float64")
+
+
+def shape64(shape):
+    """A shape (Python ints or scalar tensors) as an int64 vector for ``pt.broadcast_to``.
+
+    PyTensor stores small Python ints as int8/int16 constants, and its rewrite of a
+    sum over a broadcast multiplies by the product of those constants in their own
+    dtype: ``-pt.sum(pt.log(pt.broadcast_to(pt.exp(x), (60, 3))))`` compiled to
+    ``76 * x`` instead of ``-180 * x`` (180 wraps around in int8).
+
+    Examples
+    --------
+    >>> import pytensor, pytensor.tensor as pt
+    >>> x = pt.scalar("x", dtype="float64")
+    >>> f = pytensor.function([x], -pt.sum(pt.log(pt.broadcast_to(pt.exp(x), shape64((60, 3))))))
+    >>> float(f(1.0))
+    -180.0
+    """
+    shape = tuple(shape)
+    if all(isinstance(s, int | np.integer) for s in shape):
+        return pt.constant(np.asarray(shape, dtype="int64").reshape(-1))
+    return pt.stack([pt.cast(pt.as_tensor(s), "int64") for s in shape])

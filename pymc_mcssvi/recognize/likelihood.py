@@ -26,6 +26,7 @@ from pymc_mcssvi.recognize.graph import (
     evaluate_static,
     is_entrywise,
     is_separable,
+    shape64,
 )
 from pymc_mcssvi.recognize.ir import PredictorTerm
 from pymc_mcssvi.recognize.stabilize import stable_logp
@@ -356,14 +357,14 @@ def flatten_terms(terms: list[LinearTerm], shape) -> list[LinearTerm]:
             vals = None
             if t.vals is not None:
                 kv = pt.maximum(k, t.vals.shape[-1])
-                vals = pt.broadcast_to(t.vals, (*shape, kv)).reshape((-1, kv), ndim=2)
+                vals = pt.broadcast_to(t.vals, shape64((*shape, kv))).reshape((-1, kv), ndim=2)
             out.append(LinearTerm(t.source, cols, vals))
         else:
             k = pt.maximum(t.cols.shape[-1], 1 if t.vals is None else t.vals.shape[-1])
             full = (*shape, k)
 
             def flat(c, full=full):
-                return pt.broadcast_to(c, full).reshape((-1, full[-1]), ndim=2)
+                return pt.broadcast_to(c, shape64(full)).reshape((-1, full[-1]), ndim=2)
 
             out.append(t.map(flat))
     return out

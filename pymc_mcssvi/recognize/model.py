@@ -24,7 +24,13 @@ from pytensor.tensor.sharedvar import TensorSharedVariable
 from pymc_mcssvi.bounds.locals import marginal_logp
 from pymc_mcssvi.exceptions import UnsupportedModelError
 from pymc_mcssvi.recognize.affine import linearize
-from pymc_mcssvi.recognize.graph import as_float, depends_on_any, evaluate_static, remove_checks
+from pymc_mcssvi.recognize.graph import (
+    as_float,
+    depends_on_any,
+    evaluate_static,
+    remove_checks,
+    shape64,
+)
 from pymc_mcssvi.recognize.ir import (
     ConstantTerm,
     GaussianGlobal,
@@ -377,8 +383,8 @@ def _prior_term(model, g: GaussianGlobal, gvalues, gshapes):
     if g.prior in ("normal", "zerosum"):
         mu, (sigma, *_) = loc_and_others(g.rv, params)
         mu, sigma = as_float(mu), as_float(sigma)
-        sigma_b = pt.broadcast_to(sigma, g.shape)
-        resid = pt.broadcast_to((value - mu) / sigma, g.shape)
+        sigma_b = pt.broadcast_to(sigma, shape64(g.shape))
+        resid = pt.broadcast_to((value - mu) / sigma, shape64(g.shape))
         const = -pt.sum(pt.log(sigma_b))
     else:
         mu, cov = (as_float(p) for p in params)
@@ -387,10 +393,10 @@ def _prior_term(model, g: GaussianGlobal, gvalues, gshapes):
         chol_inv = pt.linalg.solve_triangular(
             chol, pt.broadcast_to(pt.eye(k), chol.shape), lower=True
         )
-        centered = pt.broadcast_to(value - mu, g.shape)
+        centered = pt.broadcast_to(value - mu, shape64(g.shape))
         resid = pt.matmul(chol_inv, centered[..., None])[..., 0]
         logdiag = pt.log(pt.diagonal(chol, axis1=-2, axis2=-1))
-        const = -pt.sum(pt.broadcast_to(logdiag, g.shape))
+        const = -pt.sum(pt.broadcast_to(logdiag, shape64(g.shape)))
     form = linearize(resid, gvalues, gshapes)
     if form is None:  # pragma: no cover - roles guarantee an affine location
         raise UnsupportedModelError(

@@ -137,8 +137,10 @@ class _StackedLinalg(Op):
                     out[r] = np.nan
         outputs[0][0] = out
 
-    def infer_shape(self, fgraph, node, shapes):
-        return shapes
+    def infer_shape(self, *args):
+        # ``(node, shapes)`` in current PyTensor, ``(fgraph, node, shapes)`` before (that
+        # signature is deprecated and warns at import)
+        return args[-1]
 
 
 stacked_cholesky = _StackedLinalg("cholesky")

@@ -513,11 +513,12 @@ class _Linearizer:
                     t.source,
                     t.cols,
                     pt.broadcast_to(
-                        pt.ones((), dtype=var.dtype) if t.vals is None else t.vals, (*shape, k)
+                        pt.ones((), dtype=var.dtype) if t.vals is None else t.vals,
+                        shape64((*shape, k)),
                     ),
                 )
             )
-        off = None if a.offset is None else pt.alloc(a.offset, *shape)
+        off = None if a.offset is None else pt.broadcast_to(a.offset, shape64(shape))
         return AffineForm(var.ndim, off, terms)
 
     def _join(self, var, node):

@@ -82,10 +82,14 @@ class GeneralEstimator:
         grad = pt.grad(total, w)
         # one Hessian-vector product per color: coordinate k of every row of the
         # row-separable globals at once, and one per coordinate of the others
-        colors, self._color_of = _colors(tlm, self.offsets, self.dim)
+        self._color_of = _colors(tlm, self.offsets, self.dim)
+        n_colors = int(self._color_of[:, 0].max()) + 1
+        colors = pt.set_subtensor(
+            pt.zeros((n_colors, self.dim))[self._color_of[:, 0], np.arange(self.dim)], 1.0
+        )
         c = pt.vector("color", shape=(self.dim,))
         hvp = pt.grad(pt.sum(grad * c), w)
-        hess = vectorize_graph(hvp, {c: pt.constant(colors)})  # (C, dim)
+        hess = vectorize_graph(hvp, {c: colors})  # (C, dim)
         self._w = w
         self._graphs = (total, grad, hess)
 
@@ -115,52 +119,44 @@ class GeneralEstimator:
         HV = pt.mean(vals[2], axis=0)
         hess = []
         for idx in self.maps:
-            ci, pi, known = _block_entries(idx, self._color_of)
-            blocks = pt.switch(known, HV[ci, pi], 0.0)
+            blocks = _blocks(HV, idx, self._color_of)
             hess.append(0.5 * (blocks + blocks.dimshuffle(0, 2, 1)))
         return T, grads, hess
 
 
 def _colors(tlm, offsets, dim):
-    """The directions of the Hessian-vector products, ``(C, dim)``, and per flat
-    coordinate ``(color, row)``: the color whose product holds that coordinate's
-    column, and the row of a row-separable global (``-1`` for the others)."""
+    """Per flat coordinate ``(color, row)``: the Hessian-vector product (color) whose
+    direction holds that coordinate, and its row in a row-separable global (``-1``
+    for the others, which have a color of their own)."""
     color_of = np.zeros((dim, 2), dtype="int64")
-    colors = []
+    n = 0
     for i, g in enumerate(tlm.gaussians):
         pos = offsets[i] + np.arange(g.size)
         if i in tlm.general_rows:
             R = g.shape[0]
-            per_row = pos.reshape(R, -1)
-            for k in range(per_row.shape[1]):
-                v = np.zeros(dim)
-                v[per_row[:, k]] = 1.0
-                color_of[per_row[:, k]] = [len(colors), -1]
-                colors.append(v)
-            color_of[pos, 1] = np.repeat(np.arange(R), per_row.shape[1])
+            per_row = pos.reshape(R, -1)  # coordinate k of every row: one color
+            color_of[per_row, 0] = n + np.arange(per_row.shape[1])[None, :]
+            color_of[per_row, 1] = np.arange(R)[:, None]
+            n += per_row.shape[1]
         else:
-            for p in pos:
-                v = np.zeros(dim)
-                v[p] = 1.0
-                color_of[p] = [len(colors), -1]
-                colors.append(v)
-    return np.stack(colors), color_of
+            color_of[pos] = np.column_stack([n + np.arange(g.size), np.full(g.size, -1)])
+            n += g.size
+    return color_of
 
 
-def _block_entries(idx, color_of):
-    """Where each entry ``H[idx[r, j], idx[r, k]]`` of a segment's blocks is in the
-    colored products ``HV``: ``(color, position, known)`` arrays of shape ``(R, K, K)``.
+def _blocks(HV, idx, color_of):
+    """A segment's blocks ``H[idx[r, j], idx[r, k]]``, ``(R, K, K)``, from the colored
+    products ``HV`` (``(C, dim)``).
 
-    A coordinate of a global that is not row-separable has its own color, whose
-    product is its column of ``H`` (the row of either coordinate by symmetry). Two
-    coordinates of the row-separable globals: in the same row, the product of the
-    second one's color at the first one's position; in different rows ``H`` is 0.
+    A coordinate with its own color has its column of ``H`` in that color's product
+    (read at the other coordinate's position; by symmetry also its row). Two
+    coordinates of the row-separable globals: in the same row, the second one's
+    color at the first one's position; in different rows ``H`` is 0. The index
+    arrays broadcast over ``(R, K, 1)`` and ``(R, 1, K)``.
     """
-    a = idx[:, :, None] * np.ones_like(idx)[:, None, :]  # H[a, b]
-    b = idx[:, None, :] * np.ones_like(idx)[:, :, None]
-    row_a, row_b = color_of[a, 1], color_of[b, 1]
-    own_b = row_b < 0
-    ci = np.where(own_b, color_of[b, 0], np.where(row_a < 0, color_of[a, 0], color_of[b, 0]))
-    pi = np.where(own_b, a, np.where(row_a < 0, b, a))
-    known = own_b | (row_a < 0) | (row_a == row_b)
-    return ci, pi, known
+    color, row = color_of[idx, 0], color_of[idx, 1]
+    by_b = HV[color[:, None, :], idx[:, :, None]]  # HV[c(b), a]
+    by_a = HV[color[:, :, None], idx[:, None, :]]  # HV[c(a), b]
+    ra, rb = pt.constant(row[:, :, None]), pt.constant(row[:, None, :])
+    use_b = (rb < 0) | ((ra >= 0) & pt.eq(ra, rb))
+    return pt.switch(use_b, by_b, pt.switch(ra < 0, by_a, 0.0))

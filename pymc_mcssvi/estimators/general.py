@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytensor.tensor as pt
-from pytensor.graph.replace import graph_replace, vectorize_graph
+from pytensor.graph.replace import vectorize_graph
 
 from pymc_mcssvi.families.gaussian import sample
+from pymc_mcssvi.recognize.separable import flat_offsets, hessian_colors, read_flat
 
 __all__ = ["GeneralEstimator", "flat_indices"]
 
@@ -34,10 +35,8 @@ __all__ = ["GeneralEstimator", "flat_indices"]
 def flat_indices(tlm):
     """Offsets of each Gaussian global in the flat vector and, per segment, the
     ``(R, K)`` array of flat positions."""
-    offsets, off = [], 0
-    for g in tlm.gaussians:
-        offsets.append(off)
-        off += g.size
+    starts = flat_offsets(tlm.gaussians)
+    offsets, off = [int(o) for o in starts[:-1]], int(starts[-1])
     maps = []
     for seg in tlm.segments:
         idx = np.full((seg.rows, seg.k), -1, dtype="int64")
@@ -73,16 +72,11 @@ class GeneralEstimator:
         if not self.active:
             return
         w = pt.vector("w_flat", shape=(self.dim,))
-        repl = {
-            g.value: w[o : o + g.size].reshape(g.shape)
-            for g, o in zip(tlm.gaussians, self.offsets, strict=True)
-        }
-        total = pt.sum([pt.sum(t.logp) for t in tlm.general_terms])
-        total = graph_replace(total, repl, strict=False)
+        total = read_flat(pt.sum([pt.sum(t.logp) for t in tlm.general_terms]), w, tlm.gaussians)
         grad = pt.grad(total, w)
         # one Hessian-vector product per color: coordinate k of every row of the
         # row-separable globals at once, and one per coordinate of the others
-        self._color_of = _colors(tlm, self.offsets, self.dim)
+        self._color_of = hessian_colors(tlm.gaussians, tlm.general_rows)
         n_colors = int(self._color_of[:, 0].max()) + 1
         colors = pt.set_subtensor(
             pt.zeros((n_colors, self.dim))[self._color_of[:, 0], np.arange(self.dim)], 1.0
@@ -124,26 +118,6 @@ class GeneralEstimator:
         return T, grads, hess
 
 
-def _colors(tlm, offsets, dim):
-    """Per flat coordinate ``(color, row)``: the Hessian-vector product (color) whose
-    direction holds that coordinate, and its row in a row-separable global (``-1``
-    for the others, which have a color of their own)."""
-    color_of = np.zeros((dim, 2), dtype="int64")
-    n = 0
-    for i, g in enumerate(tlm.gaussians):
-        pos = offsets[i] + np.arange(g.size)
-        if i in tlm.general_rows:
-            R = g.shape[0]
-            per_row = pos.reshape(R, -1)  # coordinate k of every row: one color
-            color_of[per_row, 0] = n + np.arange(per_row.shape[1])[None, :]
-            color_of[per_row, 1] = np.arange(R)[:, None]
-            n += per_row.shape[1]
-        else:
-            color_of[pos] = np.column_stack([n + np.arange(g.size), np.full(g.size, -1)])
-            n += g.size
-    return color_of
-
-
 def _blocks(HV, idx, color_of):
     """A segment's blocks ``H[idx[r, j], idx[r, k]]``, ``(R, K, K)``, from the colored
     products ``HV`` (``(C, dim)``).
@@ -156,7 +130,11 @@ def _blocks(HV, idx, color_of):
     """
     color, row = color_of[idx, 0], color_of[idx, 1]
     by_b = HV[color[:, None, :], idx[:, :, None]]  # HV[c(b), a]
-    by_a = HV[color[:, :, None], idx[:, None, :]]  # HV[c(a), b]
+    if np.all(row < 0):  # every coordinate has its own color: the dense blocks
+        return by_b
     ra, rb = pt.constant(row[:, :, None]), pt.constant(row[:, None, :])
+    if np.all(row >= 0):  # all row-separable: zero between rows
+        return pt.switch(pt.eq(ra, rb), by_b, 0.0)
+    by_a = HV[color[:, :, None], idx[:, None, :]]  # HV[c(a), b]
     use_b = (rb < 0) | ((ra >= 0) & pt.eq(ra, rb))
     return pt.switch(use_b, by_b, pt.switch(ra < 0, by_a, 0.0))

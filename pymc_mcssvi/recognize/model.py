@@ -48,7 +48,7 @@ from pymc_mcssvi.recognize.likelihood import (
     likelihood_term,
 )
 from pymc_mcssvi.recognize.roles import assign_roles, base_op, dist_params, loc_and_others
-from pymc_mcssvi.recognize.separable import separable_rows
+from pymc_mcssvi.recognize.separable import hessian_colors, separable_rows
 from pymc_mcssvi.recognize.zerosum import zerosum_as_linear
 
 __all__ = ["MAX_GENERAL_DIM", "recognize"]
@@ -179,25 +179,24 @@ def _recognize(model, cov, bound, inner, n_inner) -> TwoLevelModel:
             # not elementwise in a predictor: its log density over the support (a
             # Multinomial's counts, an MvNormal outcome) by Monte Carlo + autodiff
             forms[obs.name] = f"general ({type(op).__name__}: multivariate)" + suffix
-            general_terms.append(GeneralTerm(obs.name, logp, forms[obs.name]))
-            continue
-        term = likelihood_term(obs.name, logp, gvalues, gshapes, point)
-        if term is not None:
-            predictor_terms.append(term)
-            forms[obs.name] = form_name(term) + suffix
-            continue
-        bil = bilinear_term(obs.name, logp, gvalues, gshapes, point)
-        if bil is not None:
-            bilinear_terms.append(bil)
-            bilinear_sources.update({bil.left, bil.right})
-            forms[obs.name] = ("bilinear" if bil.affine is None else BILINEAR_PLUS) + suffix
-            continue
-        found = find_bilinear(logp, gvalues, gshapes)
-        # A product with other terms of the globals (row/column biases, an intercept)
-        # is not the bilinear estimator's form: Monte Carlo + autodiff over all of them.
-        forms[obs.name] = (MIXED_BILINEAR if found is not None else "general") + suffix
-        if found is not None:
-            bilinear_sources.update(found[1].sources | found[2].sources)
+        else:
+            term = likelihood_term(obs.name, logp, gvalues, gshapes, point)
+            if term is not None:
+                predictor_terms.append(term)
+                forms[obs.name] = form_name(term) + suffix
+                continue
+            bil = bilinear_term(obs.name, logp, gvalues, gshapes, point)
+            if bil is not None:
+                bilinear_terms.append(bil)
+                bilinear_sources.update({bil.left, bil.right})
+                forms[obs.name] = ("bilinear" if bil.affine is None else BILINEAR_PLUS) + suffix
+                continue
+            found = find_bilinear(logp, gvalues, gshapes)
+            # A product with other terms of the globals (row/column biases, an intercept)
+            # is not the bilinear estimator's form: Monte Carlo + autodiff over all of them.
+            forms[obs.name] = (MIXED_BILINEAR if found is not None else "general") + suffix
+            if found is not None:
+                bilinear_sources.update(found[1].sources | found[2].sources)
         _warn_scan_in_general_term(obs.name, logp, gvalues)
         general_terms.append(GeneralTerm(obs.name, logp, forms[obs.name]))
 
@@ -249,10 +248,7 @@ def _check_general_dim(tlm, point):
     """Record the Gaussian globals whose rows the general terms never couple, and refuse
     Hessians of more than :data:`MAX_GENERAL_DIM` directions."""
     tlm.general_rows = separable_rows(tlm.gaussians, tlm.general_terms, tlm.model, point)
-    size = sum(
-        g.size // g.shape[0] if i in tlm.general_rows else g.size
-        for i, g in enumerate(tlm.gaussians)
-    )
+    size = int(hessian_colors(tlm.gaussians, tlm.general_rows)[:, 0].max()) + 1
     if size > MAX_GENERAL_DIM:
         names = ", ".join(t.name for t in tlm.general_terms)
         raise UnsupportedModelError(

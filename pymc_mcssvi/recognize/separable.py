@@ -27,7 +27,14 @@ import pytensor.tensor as pt
 from pytensor.graph.replace import graph_replace
 from pytensor.graph.traversal import graph_inputs
 
-__all__ = ["PROBE_SCALE", "SEPARABLE_TOL", "separable_rows"]
+__all__ = [
+    "PROBE_SCALE",
+    "SEPARABLE_TOL",
+    "flat_offsets",
+    "hessian_colors",
+    "read_flat",
+    "separable_rows",
+]
 
 #: Size of the random point's offset from the start and of the probes' perturbations.
 PROBE_SCALE = 0.3
@@ -67,26 +74,22 @@ def separable_rows(gaussians, general_terms, model, point, seed: int = 0) -> tup
     >>> recognize(m).general_rows  # eta, the second Gaussian global
     (1,)
     """
-    total = pt.sum([pt.sum(t.logp) for t in general_terms]) if general_terms else None
-    used = set(graph_inputs([total])) if general_terms else set()
+    if not general_terms:
+        return ()
+    total = pt.sum([pt.sum(t.logp) for t in general_terms])
+    used = set(graph_inputs([total]))
     candidates: dict[int, list[int]] = {}
     for i, g in enumerate(gaussians):
         if len(g.shape) >= 1 and g.shape[0] > 1 and g.value in used:
             candidates.setdefault(int(g.shape[0]), []).append(i)
     if not candidates:
         return ()
-    offsets = np.cumsum([0] + [g.size for g in gaussians])
+    offsets = flat_offsets(gaussians)
     dim = int(offsets[-1])
     w = pt.vector("w_probe", shape=(dim,), dtype="float64")
-    repl = {
-        g.value: w[o : o + g.size].reshape(g.shape).astype(g.value.dtype)
-        for g, o in zip(gaussians, offsets, strict=False)
-    }
-    value_vars = set(model.value_vars) - set(repl)
-    for v in used:
-        if v in value_vars:
-            repl[v] = pt.constant(np.asarray(point[v.name], dtype=v.dtype))
-    total = graph_replace(total, repl, strict=False)
+    others = set(model.value_vars) - {g.value for g in gaussians}
+    fixed = {v: pt.constant(np.asarray(point[v.name], dtype=v.dtype)) for v in used & others}
+    total = read_flat(total, w, gaussians, fixed)
     grad_fn = pytensor.function([w], pt.grad(total, w), on_unused_input="ignore")
 
     rng = np.random.default_rng(seed)
@@ -130,3 +133,41 @@ def _rows_uncoupled(grad_fn, w0, g0, rows, rng) -> bool:
         if np.any(change[rows[~moved].ravel()] > SEPARABLE_TOL * change.max()):
             return False
     return True
+
+
+def flat_offsets(gaussians) -> np.ndarray:
+    """Start of each Gaussian global in the flat vector of all of them, then its length."""
+    return np.cumsum([0] + [g.size for g in gaussians])
+
+
+def read_flat(total, w, gaussians, fixed=None):
+    """``total`` with the Gaussian globals' value variables read, in order, from the
+    flat vector ``w`` (and the replacements ``fixed`` of other inputs)."""
+    repl = {
+        g.value: w[o : o + g.size].reshape(g.shape).astype(g.value.dtype)
+        for g, o in zip(gaussians, flat_offsets(gaussians), strict=False)
+    }
+    return graph_replace(total, {**repl, **(fixed or {})}, strict=False)
+
+
+def hessian_colors(gaussians, rows) -> np.ndarray:
+    """Per flat coordinate ``(color, row)``: the Hessian-vector product (color) whose
+    direction holds that coordinate, and its row in a row-separable global (``-1``
+    for the others, which have a color of their own). ``rows`` are the ids of the
+    row-separable globals (:func:`separable_rows`); the number of colors is the
+    number of products the Hessian takes."""
+    offsets = flat_offsets(gaussians)
+    color_of = np.zeros((int(offsets[-1]), 2), dtype="int64")
+    n = 0
+    for i, g in enumerate(gaussians):
+        pos = offsets[i] + np.arange(g.size)
+        if i in rows:
+            R = g.shape[0]
+            per_row = pos.reshape(R, -1)  # coordinate k of every row: one color
+            color_of[per_row, 0] = n + np.arange(per_row.shape[1])[None, :]
+            color_of[per_row, 1] = np.arange(R)[:, None]
+            n += per_row.shape[1]
+        else:
+            color_of[pos] = np.column_stack([n + np.arange(g.size), np.full(g.size, -1)])
+            n += g.size
+    return color_of

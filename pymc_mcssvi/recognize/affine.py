@@ -37,6 +37,7 @@ from pytensor.tensor.basic import Alloc, Join, MakeVector
 from pytensor.tensor.blockwise import Blockwise
 from pytensor.tensor.elemwise import DimShuffle, Elemwise
 from pytensor.tensor.extra_ops import CumOp
+from pytensor.tensor.linalg.solvers.core import SolveBase
 from pytensor.tensor.math import Dot, Sum
 from pytensor.tensor.shape import Reshape, SpecifyShape
 from pytensor.tensor.subtensor import (
@@ -168,6 +169,43 @@ def _merge_into_contraction(term: LinearTerm, axes: list[int], shape) -> LinearT
     return term.map(move)
 
 
+def _reads_same_columns(term: LinearTerm, axis: int) -> bool:
+    """Whether a term's columns are the same along leading ``axis`` (a dense term's
+    rows: its value there is ``vals @ w[cols]`` with one ``cols``)."""
+    vals_ok = term.vals is None or term.vals.ndim == term.cols.ndim
+    return vals_ok and term.ndim == 2 and term.cols.type.broadcastable[axis]
+
+
+def _dense_through_dot(term: LinearTerm, other, left: bool) -> LinearTerm:
+    """A matrix product with a term whose columns do not change along the contracted
+    axis: the coefficients are multiplied, the columns stay (``A @ (B @ w)`` is
+    ``(A @ B) @ w``, contraction length unchanged, instead of a contraction over
+    both products' axes: a sparse GP's ``K_fu @ solve(K_uu, L @ v)`` would read
+    ``v`` through ``M^3`` columns per row).
+
+    ``left``: the product is ``other @ term`` (term leading axes ``(d, m)``,
+    ``other`` ``(n, d)``), else ``term @ other`` (term ``(n, d)``, other ``(d, m)``).
+    """
+    vals = term.vals
+    if left:
+        cols = term.cols[:1]
+        if vals is None or vals.type.broadcastable[0]:
+            first = pt.ones((1, 1, 1)) if vals is None else vals[:1]
+            return LinearTerm(term.source, cols, other.sum(-1)[:, None, None] * first)
+        m, k = _dim(vals, 1), _dim(vals, 2)
+        flat = vals.reshape((vals.shape[0], -1), ndim=2)
+        new = pt.dot(other, flat).reshape((other.shape[0], m, k), ndim=3)
+        return LinearTerm(term.source, cols, new)
+    cols = term.cols[:, :1]
+    if vals is None or vals.type.broadcastable[1]:
+        first = pt.ones((1, 1, 1)) if vals is None else vals[:, :1]
+        return LinearTerm(term.source, cols, other.sum(0)[None, :, None] * first)
+    n, k = _dim(vals, 0), _dim(vals, 2)
+    flat = vals.transpose(0, 2, 1).reshape((-1, vals.shape[1]), ndim=2)
+    new = pt.dot(flat, other).reshape((n, k, other.shape[1]), ndim=3).transpose(0, 2, 1)
+    return LinearTerm(term.source, cols, new)
+
+
 class _Linearizer:
     """Memoized walk of a graph that builds :class:`AffineForm` objects."""
 
@@ -249,7 +287,24 @@ class _Linearizer:
             return self._inline(var, node)
         if isinstance(op, CumOp) and op.mode == "add" and var.ndim <= 2:
             return self._cumsum(var, node)
+        if isinstance(op, Blockwise) and isinstance(op.core_op, SolveBase):
+            return self._solve(var, node)
         return None
+
+    def _solve(self, var, node):
+        """``solve(A, b) = A^{-1} @ b`` with ``A`` free of the globals (``pt.linalg.solve``,
+        ``solve_triangular``, ``cho_solve``): a sparse GP's projection
+        ``K_fu @ solve(K_uu, u)`` onto its inducing values. The coefficient matrix is
+        the same solve with the identity as right-hand side (one per evaluation, as
+        the user's graph does one per evaluation)."""
+        a, b = node.inputs
+        core = node.op.core_op
+        if self.depends(a) or a.ndim != 2 or b.ndim != core.b_ndim:
+            return None  # batched systems, or A depending on the globals
+        props = core._props_dict()
+        props.update(b_ndim=2, **{k: False for k in props if k.startswith("overwrite")})
+        inverse = Blockwise(type(core)(**props))(a, pt.eye(self.shape_of(a)[-1], dtype=a.dtype))
+        return self(pt.dot(inverse, b))
 
     def _cumsum(self, var, node):
         """``cumsum(x) = T @ x`` with the lower-triangular matrix of ones ``T``; of a
@@ -386,7 +441,8 @@ class _Linearizer:
         dx, dy = self.depends(x), self.depends(y)
         if dx and dy:
             return None
-        batched = isinstance(node.op, Blockwise)
+        # ``@`` builds a Blockwise Dot even for two matrices: batched only with batch axes.
+        batched = isinstance(node.op, Blockwise) and max(x.ndim, y.ndim) > 2
         if not batched and (x.ndim > 2 or y.ndim > 2):
             return None
         # Work with out2[..., n, m] = sum_j x2[..., n, j] * y2[..., j, m]; squeeze at the end.
@@ -415,6 +471,9 @@ class _Linearizer:
             t = _pad_left(t, lift_nd)
             if not batched and src.ndim == 1:
                 t = t.map((lambda c: c[:, None, :]) if dy else (lambda c: c[None]))
+            if not batched and _reads_same_columns(t, 0 if dy else 1):
+                terms.append(_dense_through_dot(t, x2 if dy else y2, dy))
+                continue
             t = _pad_left(t, nd)
             if dy:  # (..., d, m, k) -> (..., 1, d, m, k), coefficient x[..., n, d]
                 t = t.map(lambda c: pt.expand_dims(c, nb)).scaled(x2[..., None])

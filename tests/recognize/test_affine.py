@@ -8,6 +8,11 @@ import pytest
 from pymc_mcssvi.recognize.affine import linearize
 
 N, D, G, K = 7, 3, 4, 2
+_R = np.random.default_rng(2)
+#: Fixed matrices of the solve and chained-product cases (a sparse GP's K_uu, ...).
+M1, M2 = _R.normal(size=(D, D)), _R.normal(size=(D, D))
+SPD = M1 @ M1.T + D * np.eye(D)
+CHOL = np.linalg.cholesky(SPD)
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +49,13 @@ def _cases(X, g, x, w, b, A, a):
         "vector_matrix": (w @ X.T, True),
         "switch_on_data": (pt.switch(x < 0, b * x, A[g, 0] * x + 1.0), True),
         "switch_on_data_matrix": (pt.switch(X[:, 0] > 0.3, X @ w, -b), True),
+        "solve": (X @ pt.linalg.solve(SPD, w, assume_a="pos"), True),
+        "solve_triangular": (X @ pt.linalg.solve_triangular(CHOL, w, lower=True), True),
+        "cho_solve": (X @ pt.linalg.cho_solve((CHOL, True), w), True),
+        "solve_matrix_rhs": (pt.linalg.solve(SPD[:K, :K], A.T).sum(0)[g], True),
+        "chained_products": (X @ (M1 @ (M2 @ w)), True),
+        "chained_products_right": (((w @ M1) @ M2) @ X.T, True),
+        "solve_by_global_not_affine": (pt.linalg.solve(SPD + pt.diag(w), X[:D, 0]), False),
         "switch_on_global_not_affine": (pt.switch(b > 0, X @ w, -(X @ w)), False),
         "exp_not_affine": (pt.exp(X @ w), False),
         "bilinear_not_affine": ((A[g] * A[g]).sum(-1), False),
@@ -69,6 +81,13 @@ CASES = [
     "vector_matrix",
     "switch_on_data",
     "switch_on_data_matrix",
+    "solve",
+    "solve_triangular",
+    "cho_solve",
+    "solve_matrix_rhs",
+    "chained_products",
+    "chained_products_right",
+    "solve_by_global_not_affine",
     "switch_on_global_not_affine",
     "exp_not_affine",
     "bilinear_not_affine",
@@ -101,3 +120,15 @@ def test_dense_and_gather_terms_are_classified(setup):
     form = linearize(a[g] + X @ w + b, {v: i for i, v in enumerate(order)})
     kinds = {t.source: t.is_dense for t in form.terms}
     assert kinds == {0: True, 1: True, 3: False}
+
+
+@pytest.mark.parametrize("name", ["chained_products", "chained_products_right", "solve"])
+def test_chained_dense_products_keep_one_contraction(setup, name):
+    """``A @ (B @ w)`` is ``(A @ B) @ w``: the term reads ``w`` through its ``D``
+    columns, not through ``D`` per product (``D**3`` for a sparse GP's projection)."""
+    X, g, x, order, vals = setup
+    w, b, A, a = order
+    expr, _ = _cases(X, g, x, w, b, A, a)[name]
+    (term,) = linearize(expr, {v: i for i, v in enumerate(order)}).terms
+    assert term.is_dense
+    assert pytensor.function([], term.cols.shape[-1])() == D

@@ -56,8 +56,10 @@ __all__ = [
 #: for which the re-fit is compiled.
 EXACT_CONDITIONAL_WORK = 2e9
 #: Largest ``draws x EXPECTED_STEPS x bytes per draw and step`` (measured on the
-#: compiled step) for which draws are re-fitted: 10 GB-steps, about 5 s on 2 cores.
-EXACT_CONDITIONAL_BYTES = 1e10
+#: compiled step) for which draws are re-fitted: 30 GB-steps, about 9 s on 2 cores (a
+#: sparse GP with learned lengthscale, 200 rows and 15 inducing points: 4000 draws
+#: 25 GB-steps, 7.6 s; the linear-response draws instead had f sds up to 1.46x NUTS).
+EXACT_CONDITIONAL_BYTES = 3e10
 #: Scalar ops whose SciPy evaluation costs far more than the fit's flop estimate
 #: assumes (its 10 flops per quadrature node): the log-gamma family and its
 #: derivatives (Beta, Gamma, negative binomial, Student-t likelihoods with learned

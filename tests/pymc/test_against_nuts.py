@@ -6,8 +6,10 @@ for logistic and Poisson regressions, for all three algorithms.
 
 import numpy as np
 import pymc as pm
+import pytensor.tensor as pt
 import pytest
 
+from pymc_mcssvi import describe
 from pymc_mcssvi.recognize import recognize
 from tests.conftest import nuts_draws
 
@@ -384,3 +386,39 @@ def test_correlated_topic_model(spelling):
             pm.Categorical("w", p=p[doc], observed=word)
     assert recognize(model).general_rows == (1,)
     _compare(model, "ctm", ["mu", "eta"], "hmcssvi", mean_tol=0.15, sd_tol=0.1)
+
+
+def _sparse_gp_model(seed=31, n=120, m=10):
+    rng = np.random.default_rng(seed)
+    x = np.sort(rng.uniform(0, 10, n))[:, None]
+    y = rng.binomial(1, 1 / (1 + np.exp(-2 * np.sin(x[:, 0]))))
+    xu = np.linspace(0, 10, m)[:, None]
+    with pm.Model() as model:
+        ls = pm.InverseGamma("ls", 5, 5)
+        eta = pm.HalfNormal("eta", 2)
+        cov = eta**2 * pm.gp.cov.ExpQuad(1, ls=ls)
+        u = pm.gp.Latent(cov_func=cov).prior("u", xu)
+        kuu = cov(xu) + 1e-6 * pt.eye(m)
+        f = pm.Deterministic("f", cov(x, xu) @ pt.linalg.solve(kuu, u, assume_a="pos"))
+        pm.Bernoulli("y", logit_p=f, observed=y)
+    return model
+
+
+def test_sparse_gp_projection_on_inducing_points():
+    """A sparse GP as users write it (the paper's family): whitened inducing values
+    ``u = L(ls, eta) v`` (``pm.gp.Latent.prior``) and ``f = K_fu @ solve(K_uu, u)``.
+    The predictor is affine in ``v`` (``solve`` with a matrix free of the globals is
+    ``K_uu^-1 @``, and the chain of products keeps one contraction): it is fitted by
+    quadrature, not the Monte Carlo path, and ``f`` agrees with NUTS."""
+    model = _sparse_gp_model()
+    assert "dense affine" in str(describe(model))
+    ref = nuts_draws(model, "sparse_gp").posterior["f"].values
+    ref = ref.reshape(-1, ref.shape[-1])
+    with model:
+        approx = pm.fit(method="hmcssvi", random_seed=2, progressbar=False)
+    assert approx.converged
+    draws = approx.sample(4000, random_seed=3).posterior["f"].values.reshape(-1, ref.shape[1])
+    z = np.abs(draws.mean(0) - ref.mean(0)) / ref.std(0)
+    ratio = draws.std(0) / ref.std(0)
+    assert z.max() < 0.2, np.round(z.max(), 3)
+    assert np.all(np.abs(ratio - 1) < 0.15), np.round([ratio.min(), ratio.max()], 3)

@@ -131,3 +131,31 @@ def test_multivariate_normal_outcome_is_exact_in_one_step():
     L = k.base_factor[0].get_value()[0]
     np.testing.assert_allclose(mean, np.linalg.solve(P, h), atol=1e-8)
     np.testing.assert_allclose(L @ L.T, P, rtol=1e-8, atol=1e-10 * np.abs(P).max())
+
+
+def test_sparse_gp_projection_is_exact_in_one_step():
+    """A sparse GP with Gaussian noise (the paper's sparse GP experiment, fixed kernel):
+    ``f = K_fu @ solve(K_uu, u)`` with ``u ~ MvNormal(0, K_uu)`` is affine in ``u``, so
+    one natural step with rho = 1 lands on the closed-form posterior of ``u``."""
+    rng = np.random.default_rng(32)
+    n, m, noise = 60, 7, 0.3
+    x = np.sort(rng.uniform(0, 5, n))[:, None]
+    xu = np.linspace(0, 5, m)[:, None]
+    y = np.sin(2 * x[:, 0]) + rng.normal(0, noise, n)
+    cov = 1.2**2 * pm.gp.cov.Matern52(1, ls=0.8)
+    kuu = cov(xu).eval() + 1e-6 * np.eye(m)
+    kfu = cov(x, xu).eval()
+    with pm.Model():
+        u = pm.MvNormal("u", 0.0, cov=kuu)
+        f = pt.as_tensor(kfu) @ pt.linalg.solve(pt.as_tensor(kuu), u, assume_a="pos")
+        pm.Normal("y", f, noise, observed=y)
+        inf = pymc_mcssvi.MCSSVI(schedule=1.0, start_sigma=3.0)
+        inf.fit(n=2, progressbar=False)
+    assert inf.tlm.observed["y"] == "dense affine"
+    A = kfu @ np.linalg.inv(kuu)
+    P = np.linalg.inv(kuu) + A.T @ A / noise**2
+    k = inf.kernel
+    mean = k.base_mean[0].get_value()[0]
+    L = k.base_factor[0].get_value()[0]
+    np.testing.assert_allclose(L @ L.T, P, rtol=1e-7)
+    np.testing.assert_allclose(mean, np.linalg.solve(P, A.T @ y / noise**2), rtol=1e-6, atol=1e-6)

@@ -41,7 +41,9 @@ from pytensor.tensor.linalg.solvers.core import SolveBase
 from pytensor.tensor.math import Dot, Sum
 from pytensor.tensor.shape import Reshape, SpecifyShape
 from pytensor.tensor.subtensor import (
+    AdvancedIncSubtensor,
     AdvancedSubtensor,
+    IncSubtensor,
     Subtensor,
     indices_from_subtensor,
 )
@@ -169,6 +171,25 @@ def _merge_into_contraction(term: LinearTerm, axes: list[int], shape) -> LinearT
     return term.map(move)
 
 
+def _unique_positions(indices) -> bool:
+    """Whether an index tuple addresses each position at most once: basic indices
+    always do; integer arrays only when constant and without repeated positions."""
+    arrays = []
+    for idx in indices:
+        if not isinstance(idx, Variable) or idx.ndim == 0:
+            continue
+        if not idx.dtype.startswith(("int", "uint")):
+            return False  # boolean masks: left to the general path
+        data = getattr(idx, "data", None)  # a TensorConstant's value
+        if data is None:
+            return False
+        arrays.append(np.asarray(data))
+    if not arrays:
+        return True
+    rows = np.stack([a.ravel() for a in np.broadcast_arrays(*arrays)], axis=-1)
+    return len(np.unique(rows, axis=0)) == len(rows)
+
+
 def _reads_same_columns(term: LinearTerm, axis: int) -> bool:
     """Whether a term's columns are the same along leading ``axis`` (a dense term's
     rows: its value there is ``vals @ w[cols]`` with one ``cols``)."""
@@ -272,6 +293,8 @@ class _Linearizer:
             return self._sum(var, node)
         if isinstance(op, Subtensor | AdvancedSubtensor):
             return self._subtensor(var, node)
+        if isinstance(op, IncSubtensor | AdvancedIncSubtensor):
+            return self._inc_subtensor(var, node)
         if isinstance(op, SpecifyShape | ViewOp):  # ViewOp: a pm.Deterministic in the graph
             inner = self(node.inputs[0])
             return None if inner is None else AffineForm(var.ndim, inner.offset, inner.terms)
@@ -538,6 +561,51 @@ class _Linearizer:
         off = None
         if a.offset is not None:
             off = pt.broadcast_to(a.offset, shape64(shape))[indices]
+        return AffineForm(var.ndim, off, terms)
+
+    def _inc_subtensor(self, var, node):
+        """``x[idx].set(y)`` / ``x[idx].inc(y)``: ``y``'s terms scattered into ``x``'s
+        shape (columns and coefficients placed by the same indexing, zero
+        coefficients elsewhere), ``x``'s terms kept (with ``set``, zeroed at ``idx``).
+        Users build structured vectors and matrices this way (a reference category's
+        zero coefficient, loadings filled into a lower triangle). An increment at
+        advanced indices is affine only without repeated positions (repeats add up),
+        which is checked on constant indices; symbolic ones are left to the general
+        path."""
+        x, y, *idx_in = node.inputs
+        if any(self.depends(i) for i in idx_in):
+            return None
+        op = node.op
+        setting = op.set_instead_of_inc
+        indices = tuple(indices_from_subtensor(idx_in, op.idx_list))
+        if not setting and not _unique_positions(indices):
+            return None
+        ax, ay = self(x), self(y)
+        if ax is None or ay is None:
+            return None
+        shape = shape64(self.shape_of(x))
+        sub = pt.zeros(shape)[indices]
+        sub_shape = tuple(sub.shape[i] if s is None else s for i, s in enumerate(sub.type.shape))
+        terms = []
+        for t in ax.terms:
+            t = _full_leading(_pad_left(t, x.ndim), shape)
+            if setting:
+                vals = pt.ones(t.cols.shape) if t.vals is None else t.vals
+                t = LinearTerm(t.source, t.cols, pt.set_subtensor(vals[indices], 0.0))
+            terms.append(t)
+        for t in ay.terms:
+            t = _full_leading(_pad_left(t, sub.ndim), sub_shape)
+            k = t.cols.shape[-1]
+            cols = pt.zeros((*shape, k), dtype=t.cols.dtype)[indices].set(t.cols)
+            vals = pt.ones(t.cols.shape) if t.vals is None else t.vals
+            terms.append(LinearTerm(t.source, cols, pt.zeros((*shape, k))[indices].set(vals)))
+        off = None
+        if ax.offset is not None or ay.offset is not None:
+            base = pt.zeros(shape, dtype=var.dtype)
+            if ax.offset is not None:
+                base = base + ax.offset
+            placed = pt.zeros((), dtype=var.dtype) if ay.offset is None else ay.offset
+            off = base[indices].set(placed) if setting else base[indices].inc(placed)
         return AffineForm(var.ndim, off, terms)
 
     def _reshape(self, var, node):

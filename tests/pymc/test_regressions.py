@@ -2,6 +2,7 @@
 
 import numpy as np
 import pymc as pm
+import pytensor.tensor as pt
 import pytest
 
 import pymc_mcssvi
@@ -516,3 +517,34 @@ def test_bound_value_of_a_centered_matrix_of_effects_follows_its_scale():
             approx = pm.fit(method="hmcssvi", random_seed=1, progressbar=False)
         fits.append(approx.sample(4000, random_seed=2).posterior["sigma"].values.mean())
     np.testing.assert_allclose(fits[0], fits[1], rtol=0.02)
+
+
+def test_coefficients_placed_by_set_subtensor_fit_as_the_direct_model():
+    """Coefficients scattered into a vector with a fixed zero (``pt.zeros(D)[idx].set(b)``,
+    a reference category's coefficient) and an increment at unique positions are
+    affine in the Gaussian globals: the fit is that of the model written directly
+    (it went through the Monte Carlo + autodiff path)."""
+    rng = np.random.default_rng(41)
+    n, d = 300, 4
+    X = rng.normal(size=(n, d))
+    y = rng.binomial(1, 1 / (1 + np.exp(-(X[:, 1] - 0.5 * X[:, 3] + 0.3))))
+    free = np.array([1, 2, 3])
+
+    def fit(placed):
+        with pm.Model() as model:
+            a = pm.Normal("a", 0, 2)
+            b = pm.Normal("b", 0, 1, shape=3)
+            if placed:
+                beta = pt.inc_subtensor(pt.zeros(d)[free].set(b)[[0, 3]], pt.stack([a, 0.0]))
+                eta = X @ beta
+            else:
+                eta = a * X[:, 0] + X[:, free] @ b
+            pm.Bernoulli("y", logit_p=eta, observed=y)
+        assert "dense affine" in str(pymc_mcssvi.describe(model))
+        with model:
+            approx = pm.fit(method="hmcssvi", random_seed=3, progressbar=False)
+        return approx.mean.eval(), approx.std.eval()
+
+    (m1, s1), (m2, s2) = fit(True), fit(False)
+    np.testing.assert_allclose(m1, m2, atol=1e-6)
+    np.testing.assert_allclose(s1, s2, rtol=1e-6)

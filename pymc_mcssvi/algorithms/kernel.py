@@ -31,7 +31,7 @@ __all__ = ["MAX_COUPLED_HYPERS", "StepKernel"]
 
 #: Largest number of mean-field hyperparameter coordinates whose step is coupled with
 #: q(w)'s mean step (one extra blockwise solve per coordinate).
-MAX_COUPLED_HYPERS = 16
+MAX_COUPLED_HYPERS = 32
 
 
 def _shared(value, name):

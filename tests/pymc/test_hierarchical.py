@@ -7,6 +7,7 @@ import pytest
 from scipy.special import expit
 
 import pymc_mcssvi
+from pymc_mcssvi.algorithms.kernel import MAX_COUPLED_HYPERS
 from tests.conftest import nuts_draws
 
 
@@ -269,11 +270,12 @@ def test_too_many_hyperparameter_coordinates_are_announced():
     """Above MAX_COUPLED_HYPERS mean-field coordinates the joint step and the linear
     response are off; the user is told which variables and what to do."""
     rng = np.random.default_rng(3)
-    g = np.repeat(np.arange(18), 6)
+    n = MAX_COUPLED_HYPERS + 2
+    g = np.repeat(np.arange(n), 6)
     y = rng.normal(0.5, 1.0 + 0.05 * g)
     with pm.Model():
         b0 = pm.Normal("b0", 0, 5)
-        sigma_y = pm.HalfNormal("sigma_y", 1, shape=18)
+        sigma_y = pm.HalfNormal("sigma_y", 1, shape=n)
         pm.Normal("y", b0, sigma_y[g], observed=y)
-        with pytest.warns(UserWarning, match=r"18 hyperparameter coordinates \('sigma_y' \(18\)\)"):
+        with pytest.warns(UserWarning, match=rf"{n} hyperparameter coordinates \('sigma_y' \({n}\)\)"):
             pymc_mcssvi.HMCSSVI(random_seed=0)

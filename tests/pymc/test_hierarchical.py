@@ -277,5 +277,7 @@ def test_too_many_hyperparameter_coordinates_are_announced():
         b0 = pm.Normal("b0", 0, 5)
         sigma_y = pm.HalfNormal("sigma_y", 1, shape=n)
         pm.Normal("y", b0, sigma_y[g], observed=y)
-        with pytest.warns(UserWarning, match=rf"{n} hyperparameter coordinates \('sigma_y' \({n}\)\)"):
+        with pytest.warns(
+            UserWarning, match=rf"{n} hyperparameter coordinates \('sigma_y' \({n}\)\)"
+        ):
             pymc_mcssvi.HMCSSVI(random_seed=0)

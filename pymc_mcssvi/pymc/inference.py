@@ -1614,8 +1614,11 @@ def _start_sigmas(start_sigma, tlm, dim, offsets):
 
 def _data_values(model) -> dict:
     """Copies of the values of a model's shared data containers and dim lengths."""
-    shared = list(model.data_vars) + [
-        v for v in model.dim_lengths.values() if isinstance(v, pytensor.compile.SharedVariable)
+    # pm.Data frozen into constants (freeze_dims_and_data) cannot change: nothing to copy
+    shared = [
+        v
+        for v in [*model.data_vars, *model.dim_lengths.values()]
+        if isinstance(v, pytensor.compile.SharedVariable)
     ]
     return {v: np.array(v.get_value(borrow=True), copy=True) for v in dict.fromkeys(shared)}
 

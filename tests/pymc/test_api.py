@@ -300,3 +300,24 @@ def test_sample_after_set_dim_keeps_the_fitted_coordinates():
     assert post["a"].shape == (1, 5, 6)
     assert list(post["grp"].values) == [f"g{i}" for i in range(6)]
     assert len(model.coords["grp"]) == 9
+
+
+def test_model_with_data_frozen_into_constants_fits_as_the_original():
+    """``freeze_dims_and_data`` (PyMC's transform for faster sampling) turns ``pm.Data``
+    into constants; the fit failed at its end copying them ("'TensorConstant' object has
+    no attribute 'get_value'"). It now gives the original model's fit."""
+    from pymc.model.transform.optimization import freeze_dims_and_data
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=50)
+    y = (rng.random(50) < 1 / (1 + np.exp(-0.5 - x))).astype(int)
+    with pm.Model(coords={"obs": range(50)}) as model:
+        xd = pm.Data("x", x, dims="obs")
+        b = pm.Normal("b", 0, 1, shape=2)
+        pm.Bernoulli("y", logit_p=b[0] + b[1] * xd, observed=y, dims="obs")
+    means = []
+    for m in (model, freeze_dims_and_data(model)):
+        with m:
+            approx = pm.fit(method="hmcssvi", random_seed=1, progressbar=False)
+        means.append(approx.sample(50, random_seed=2).posterior["b"].values)
+    np.testing.assert_allclose(means[1], means[0], rtol=1e-8, atol=1e-10)

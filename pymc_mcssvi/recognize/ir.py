@@ -54,10 +54,12 @@ class GaussianGlobal:
         The random variable and its value variable (untransformed).
     shape : tuple of int
         Static shape of the variable.
-    prior : {"normal", "mvnormal", "zerosum", "studentt", "laplace", "cauchy", "logistic"}
-        Family of the prior as written in the model. The Gaussian ones enter the
-        bound as whitened residuals (closed form); the others as a
-        one-dimensional log density term in the variable, like a likelihood.
+    prior : {"normal", "mvnormal", "zerosum", "icar", "car", "studentt", "laplace", \
+"cauchy", "logistic"}
+        Family of the prior as written in the model. The Gaussian ones (with the
+        spatial ``pm.ICAR`` and ``pm.CAR``) enter the bound as whitened residuals
+        (closed form); the others as a one-dimensional log density term in the
+        variable, like a likelihood.
     """
 
     name: str

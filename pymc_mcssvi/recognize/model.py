@@ -372,11 +372,15 @@ def _prior_term(model, g: GaussianGlobal, gvalues, gshapes):
     ``ZeroSumNormal``'s unconstrained value is ``N(0, sigma^2)`` entrywise
     (:mod:`~pymc_mcssvi.recognize.zerosum`).
     """
-    if g.prior not in ("normal", "mvnormal", "zerosum"):
+    if g.prior not in ("normal", "mvnormal", "zerosum", "icar", "car"):
         return _non_gaussian_prior_term(model, g, gvalues, gshapes)
     params = model.replace_rvs_by_values(dist_params(g.rv))
     value = g.value
-    if g.prior in ("normal", "zerosum"):
+    if g.prior == "icar":
+        resid, const = _icar_residuals(value, params)
+    elif g.prior == "car":
+        resid, const = _car_residuals(value, params)
+    elif g.prior in ("normal", "zerosum"):
         mu, (sigma, *_) = loc_and_others(g.rv, params)
         mu, sigma = as_float(mu), as_float(sigma)
         sigma_b = pt.broadcast_to(sigma, shape64(g.shape))
@@ -398,17 +402,68 @@ def _prior_term(model, g: GaussianGlobal, gvalues, gshapes):
         raise UnsupportedModelError(
             g.name, "its prior mean is not affine in the other Gaussian variables"
         )
+    eta_shape = resid.type.shape if g.prior == "icar" else tuple(g.shape)
     term = PredictorTerm(
         name=f"prior of {g.name}",
-        eta_shape=tuple(g.shape),
+        eta_shape=eta_shape,
         offset=form.offset,
-        terms=flatten_terms(form.terms, g.shape),
+        terms=flatten_terms(form.terms, eta_shape),
         placeholder=None,
         logp=None,
         gaussian=True,
         kind="prior",
     )
     return term, ConstantTerm(f"normalizer of {g.name}", const)
+
+
+def _constant_data(x, name):
+    x = x.owner.inputs[0] if x.owner is not None and x.ndim > 2 else x
+    if not isinstance(x, Constant):
+        raise UnsupportedModelError(
+            name, "its adjacency matrix W is symbolic", "pass W as a NumPy array (constant)"
+        )
+    return np.asarray(x.data)
+
+
+def _icar_residuals(value, params):
+    """``pm.ICAR(W, sigma, zero_sum_stdev)``: PyMC's log density is
+    ``-sum_edges (phi_i - phi_j)^2 / (2 sigma^2)`` plus a soft sum-to-zero term
+    ``log N(sum(phi) / N; 0, zero_sum_stdev)``: the whitened residuals are the
+    edges' scaled differences and the scaled sum (an improper prior made proper by
+    the soft constraint, with no ``log sigma`` normalizer, as PyMC writes it).
+    Returns the residuals and the constant that makes their standard-normal log
+    densities add up to PyMC's."""
+    W, sigma, zero_sum_sd = params
+    W = _constant_data(W, "ICAR")
+    node1, node2 = np.nonzero(np.tril(W) == 1)
+    n = W.shape[-1]
+    sigma, zero_sum_sd = as_float(sigma), as_float(zero_sum_sd)
+    diff = (value[node1] - value[node2]) / sigma
+    total = pt.sum(value) / (zero_sum_sd * n)
+    resid = pt.specify_shape(pt.concatenate([diff, total[None]]), (len(node1) + 1,))
+    const = -pt.log(zero_sum_sd * n) + 0.5 * len(node1) * np.log(2 * np.pi)
+    return resid, const
+
+
+def _car_residuals(value, params):
+    """``pm.CAR(mu, W, alpha, tau)``: Gaussian with precision ``Q = tau (D - alpha W)``
+    (``D`` the neighbour counts); residuals ``L^T (phi - mu)`` with ``Q = L L^T`` and
+    PyMC's normalizer ``(log det Q - sum log D - n log 2 pi) / 2`` (its log density
+    leaves out the constant ``sum log D`` and ``2 pi``)."""
+    mu, W, alpha, tau = params[:4]
+    W = _constant_data(W, "CAR").astype("float64")
+    D = W.sum(axis=0)
+    alpha, tau = as_float(alpha), as_float(tau)
+    Q = tau * (pt.as_tensor(np.diag(D)) - alpha * pt.as_tensor(W))
+    L = pt.linalg.cholesky(Q, lower=True)
+    resid = pt.dot(L.T, value - as_float(mu))
+    n = W.shape[-1]
+    const = (
+        pt.sum(pt.log(pt.diagonal(L)))
+        - 0.5 * float(np.sum(np.log(D)))
+        + 0.5 * n * np.log(2 * np.pi)
+    )
+    return resid, const
 
 
 def _non_gaussian_prior_term(model, g: GaussianGlobal, gvalues, gshapes):

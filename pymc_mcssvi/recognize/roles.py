@@ -29,7 +29,7 @@ import numpy as np
 import pytensor.tensor as pt
 from pymc.distributions.continuous import WeibullBetaRV
 from pymc.distributions.distribution import SymbolicRandomVariable
-from pymc.distributions.multivariate import MvNormalRV, ZeroSumNormalRV
+from pymc.distributions.multivariate import CARRV, ICARRV, MvNormalRV, ZeroSumNormalRV
 from pymc.distributions.timeseries import (
     GARCH11RV,
     AutoRegressiveRV,
@@ -317,7 +317,9 @@ NON_GAUSSIAN_PRIORS = {
 def loc_and_others(rv, ps):
     """The location parameter of ``rv``'s prior and its other parameters."""
     op, _ = base_op(rv)
-    if isinstance(op, ZeroSumNormalRV):  # zero mean; (sigma, support shape)
+    if isinstance(
+        op, ZeroSumNormalRV | ICARRV
+    ):  # zero mean; (sigma, support shape) / (W, sigma, sd)
         return pt.constant(0.0), list(ps)
     spec = NON_GAUSSIAN_PRIORS.get(type(op))
     i = 0 if spec is None else spec[1]
@@ -387,6 +389,9 @@ def assign_roles(model) -> Roles:
             continue
         if isinstance(op, MvNormalRV):
             cand[rv] = "mvnormal"
+        elif isinstance(op, ICARRV | CARRV) and len(vshape[rv]) == 1:
+            # Gaussian with a sparse precision (improper for the ICAR): spatial effects
+            cand[rv] = "icar" if isinstance(op, ICARRV) else "car"
         elif isinstance(op, NormalRV):
             cand[rv] = "normal"
         elif type(op) in NON_GAUSSIAN_PRIORS:

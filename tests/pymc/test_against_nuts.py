@@ -451,3 +451,33 @@ def test_scale_per_group_among_many_hyperparameters():
         mean_tol=0.15,
         sd_tol=0.15,
     )
+
+
+@pytest.mark.parametrize("prior", ["icar", "car"])
+def test_spatial_effects_with_learned_scales(prior):
+    """Disease mapping as in PyMC's spatial examples: Poisson counts with expected
+    counts as offset, a covariate and a spatial effect ``pm.ICAR`` (learned sigma) or
+    ``pm.CAR`` (learned alpha and tau) on a grid. The spatial effect is a Gaussian
+    global with its sparse precision (it was a mean-field hyperparameter: the
+    covariate's sd collapsed, and a learned CAR alpha crashed)."""
+    from tests.algorithms.test_conjugate import _grid_adjacency
+
+    rng = np.random.default_rng(41)
+    W = _grid_adjacency(5, 5)
+    n = len(W)
+    E = rng.uniform(3, 15, n)
+    x = rng.normal(size=n)
+    field = np.linalg.cholesky(np.linalg.inv(np.diag(W.sum(0)) - 0.9 * W)) @ rng.normal(size=n)
+    y = rng.poisson(E * np.exp(-0.2 + 0.3 * x + 0.4 * field))
+    with pm.Model() as model:
+        b0 = pm.Normal("b0", 0, 2)
+        b1 = pm.Normal("b1", 0, 1)
+        if prior == "icar":
+            phi = pm.ICAR("phi", W=W, sigma=pm.HalfNormal("sigma", 1))
+        else:
+            alpha = pm.Beta("alpha", 2, 2)
+            phi = pm.CAR("phi", mu=np.zeros(n), W=W, alpha=alpha, tau=pm.Gamma("tau", 2, 1))
+        pm.Poisson("y", E * pm.math.exp(b0 + b1 * x + phi), observed=y)
+    assert describe(model).role("phi") == "gaussian global"
+    hypers = ["sigma"] if prior == "icar" else ["alpha", "tau"]
+    _compare(model, f"spatial_{prior}", ["b0", "b1", "phi", *hypers], "hmcssvi", 0.15, 0.15)

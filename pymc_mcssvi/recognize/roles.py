@@ -177,6 +177,17 @@ def _observed_logps(model):
     return {o: remove_checks(lp) for o, lp in zip(obs, lps, strict=True)}
 
 
+def _jittered(point, sd=0.3, seed=0):
+    """``point`` (values of value variables: PyMC's unconstrained space) with its
+    continuous entries moved by ``N(0, sd^2)`` noise."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for k, x in point.items():
+        x = np.asarray(x)
+        out[k] = x + rng.normal(0.0, sd, x.shape).astype(x.dtype) if x.dtype.kind == "f" else x
+    return out
+
+
 def _find_locals(model, free, values, vshape, params, obs_logps, ip):
     """Free variables that are locals of exactly one observed variable."""
     out = []
@@ -210,7 +221,11 @@ def _find_locals(model, free, values, vshape, params, obs_logps, ip):
         if not is_separable(obs_logps[obs], v):
             point = {values[o]: ip[values[o].name] for o in free}
             base = np.asarray(ip[v.name]).reshape(vshape[rv])
-            if not is_entrywise(obs_logps[obs], v, point, base=base):
+            # also away from the initial point, where a structure can look diagonal by
+            # accident (L(rho) @ eps with the AR powers of rho = 0: the identity)
+            if not all(
+                is_entrywise(obs_logps[obs], v, p, base=base) for p in (point, _jittered(point))
+            ):
                 continue
         support = None
         if discrete:

@@ -53,8 +53,11 @@ __all__ = [
 ]
 
 #: Largest ``draws x EXPECTED_STEPS x flops per draw and step`` (the fit's estimate)
-#: for which the re-fit is compiled.
-EXACT_CONDITIONAL_WORK = 2e9
+#: for which the re-fit is compiled: about 9 s on 2 cores, as the bytes' budget (a
+#: Poisson random walk ``x0 + cumsum(s * eps)`` of 120 steps, 3.6 Mflops per draw and
+#: step: 500 draws 3.0 s, 2000 draws 9.1 s, compilation included; its linear-response
+#: draws, used at 2e9, had path sds up to 2.2x NUTS's, the re-fitted ones 0.93-1.03x).
+EXACT_CONDITIONAL_WORK = 3e10
 #: Largest ``draws x EXPECTED_STEPS x bytes per draw and step`` (measured on the
 #: compiled step) for which draws are re-fitted: 30 GB-steps, about 9 s on 2 cores (a
 #: sparse GP with learned lengthscale, 200 rows and 15 inducing points: 4000 draws

@@ -118,6 +118,11 @@ ADDITIVE_LOG_SCALE_TOL = 0.02
 SENSITIVITY_BATCH_BYTES = 2**27
 #: Times the start q's sd is divided by 10 while its bound is not finite.
 MAX_START_SHRINKS = 3
+#: Then the times its means are moved by ``U(-START_JITTER, START_JITTER)`` (in PyMC's
+#: unconstrained space, as ``pm.sample``'s jitter): a start exactly where a derivative
+#: is not finite (``rho ** 0`` at ``rho = 0``, the initial point of ``Uniform(-1, 1)``).
+MAX_START_JITTERS = 3
+START_JITTER = 0.5
 
 #: Below this many estimated flops per iteration BLAS runs on one thread.
 BLAS_THREADS_WORK = 5e8
@@ -474,6 +479,7 @@ class StructuredVI(Inference):
         self._step_fns = {}
         self._rejections = 0
         self._start_shrinks = 0
+        self._start_jitters = 0
         self._work = None  # cached work_estimate()
         self.backend_used = None
         with graph_building():
@@ -1437,13 +1443,13 @@ class StructuredVI(Inference):
         k.reset_candidate()
 
     def _track_rejections(self, accepted, cand_bound, iteration):
-        if (
-            not accepted
-            and self._start_shrinks < MAX_START_SHRINKS
-            and not np.isfinite(float(self.kernel.base_bound.get_value()))
-        ):
-            self._shrink_start(cand_bound)
-            return
+        if not accepted and not np.isfinite(float(self.kernel.base_bound.get_value())):
+            if self._start_shrinks < MAX_START_SHRINKS:
+                self._shrink_start(cand_bound)
+                return
+            if self._start_jitters < MAX_START_JITTERS:
+                self._jitter_start(cand_bound)
+                return
         self._rejections = 0 if accepted else self._rejections + 1
         if self._rejections >= MAX_REJECTIONS:
             self.kernel.reset_candidate()
@@ -1452,9 +1458,11 @@ class StructuredVI(Inference):
             if not np.isfinite(base):
                 raise DivergenceError(
                     "The ELBO or its derivatives are not finite at the starting point (ELBO "
-                    f"{cand_bound}). {self._start_diagnosis()}Check the observed data against "
-                    "the likelihood's support, and the `start` values; a smaller `start_sigma` "
-                    "can help.",
+                    f"{cand_bound}), nor with a narrower q or at jittered starts. "
+                    f"{self._start_diagnosis()}Check the observed data against the likelihood's "
+                    "support, the `start` values, and expressions whose derivatives are not "
+                    "finite where q puts mass (x ** 0 at x = 0, sqrt(x) at 0); a smaller "
+                    "`start_sigma` can help.",
                     approx=self.approx,
                     iteration=iteration,
                 )
@@ -1492,6 +1500,31 @@ class StructuredVI(Inference):
             return ""
         return "".join(out)
 
+    def _jitter_start(self, cand_bound):
+        """Move the start's means (q(w)'s and q(h)'s) by uniform noise, as ``pm.sample``
+        jitters its initial point, and start again (before any step was accepted)."""
+        k = self.kernel
+        seed = 0 if self.random_seed is None else self.random_seed
+        rng = np.random.default_rng([int(np.ravel(seed)[0]) % 2**32, self._start_jitters])
+
+        def jitter(shared):
+            x = shared.get_value()
+            shared.set_value(x + rng.uniform(-START_JITTER, START_JITTER, np.shape(x)))
+
+        for s in range(k.nseg):
+            jitter(k.base_mean[s])
+        hyp = k.hypers
+        if hyp is not None:
+            jitter(hyp.base if hyp.mode == "point" else hyp.base_mean)
+        k.reset_candidate()
+        self._start_jitters += 1
+        self._rejections = 0
+        logger.info(
+            "The bound or its derivatives are not finite at the start (%s); starting again "
+            "from jittered means.",
+            cand_bound,
+        )
+
     def _shrink_start(self, cand_bound):
         """Start again from q with a 10x smaller sd (before any step was accepted).
 
@@ -1515,7 +1548,8 @@ class StructuredVI(Inference):
         self._start_shrinks += 1
         self._rejections = 0
         logger.info(
-            "The bound is not finite at the start (%s); starting again with q's sd %gx smaller.",
+            "The bound or its derivatives are not finite at the start (%s); starting again "
+            "with q's sd %gx smaller.",
             cand_bound,
             10.0**self._start_shrinks,
         )

@@ -476,12 +476,21 @@ def assign_roles(model) -> Roles:
     _reject_time_series_latents(roles)
     if not roles.gaussians and not roles.rayleighs:
         names = ", ".join(rv.name for rv in free) or "(none)"
+        marginal_gp = [
+            obs.name for obs in model.observed_RVs if isinstance(base_op(obs)[0], MvNormalRV)
+        ]
+        hint = (
+            f"{marginal_gp[0]!r} is an MvNormal with every latent integrated out (as "
+            "pm.gp.Marginal writes a GP): write the GP with pm.gp.Latent (or pm.gp.HSGP) "
+            "and a pm.Normal likelihood, so that its values are the Gaussian global, "
+            if marginal_gp
+            else "give the regression coefficients Normal priors (for proportions such as a "
+            "Dirichlet topic model's, softmax of Normal logits: a correlated topic model), "
+        )
         raise UnsupportedModelError(
             names,
             "the model has no Gaussian (pm.Normal / pm.MvNormal) or Rayleigh global variable for the structured q",
-            "give the regression coefficients Normal priors (for proportions such as a "
-            "Dirichlet topic model's, softmax of Normal logits: a correlated topic model), "
-            "or use pm.fit(method='advi') for this model",
+            hint + "or use pm.fit(method='advi') for this model",
         )
     return roles
 

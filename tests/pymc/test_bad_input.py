@@ -246,3 +246,18 @@ def test_likelihood_without_second_derivatives_is_named():
         pm.Rice("y", nu=pm.math.exp(b[0] + b[1] * x), sigma=1.0, observed=y)
         with pytest.raises(UnsupportedModelError, match="'y'.*cannot differentiate"):
             pm.fit(method="hmcssvi", progressbar=False)
+
+
+def test_marginal_gp_without_latents_is_told_how_to_write_it():
+    """``pm.gp.Marginal`` integrates the GP out: no Gaussian global is left for the
+    structured q. The error says how to write the model (a latent GP) instead of
+    asking for Normal priors on regression coefficients it does not have."""
+    rng = np.random.default_rng(43)
+    X = np.sort(rng.uniform(0, 10, 30))[:, None]
+    y = np.sin(X[:, 0]) + rng.normal(0, 0.3, 30)
+    with pm.Model():
+        ls, eta = pm.Gamma("ls", 4, 2), pm.HalfNormal("eta", 1.5)
+        gp = pm.gp.Marginal(cov_func=eta**2 * pm.gp.cov.ExpQuad(1, ls))
+        gp.marginal_likelihood("y", X=X, y=y, sigma=pm.HalfNormal("sigma", 1))
+        with pytest.raises(UnsupportedModelError, match=r"'y' is an MvNormal.*pm\.gp\.Latent"):
+            pm.fit(method="hmcssvi", progressbar=False)

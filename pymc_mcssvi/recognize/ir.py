@@ -55,7 +55,7 @@ class GaussianGlobal:
     shape : tuple of int
         Static shape of the variable.
     prior : {"normal", "mvnormal", "zerosum", "icar", "car", "studentt", "laplace", \
-"cauchy", "logistic"}
+"cauchy", "logistic", "gumbel", "moyal", "asymmetriclaplace", "skewstudentt"}
         Family of the prior as written in the model. The Gaussian ones (with the
         spatial ``pm.ICAR`` and ``pm.CAR``) enter the bound as whitened residuals
         (closed form); the others as a one-dimensional log density term in the

@@ -27,7 +27,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pytensor.tensor as pt
-from pymc.distributions.continuous import WeibullBetaRV
+from pymc.distributions.continuous import (
+    AsymmetricLaplaceRV,
+    MoyalRV,
+    SkewStudentTRV,
+    WeibullBetaRV,
+)
 from pymc.distributions.distribution import SymbolicRandomVariable
 from pymc.distributions.multivariate import CARRV, ICARRV, MvNormalRV, ZeroSumNormalRV
 from pymc.distributions.timeseries import (
@@ -44,6 +49,7 @@ from pytensor.tensor.random.basic import (
     BernoulliRV,
     CategoricalRV,
     CauchyRV,
+    GumbelRV,
     LaplaceRV,
     LogisticRV,
     NormalRV,
@@ -326,6 +332,10 @@ NON_GAUSSIAN_PRIORS = {
     LaplaceRV: ("laplace", 0),
     CauchyRV: ("cauchy", 0),
     LogisticRV: ("logistic", 0),
+    GumbelRV: ("gumbel", 0),
+    MoyalRV: ("moyal", 0),
+    AsymmetricLaplaceRV: ("asymmetriclaplace", 2),
+    SkewStudentTRV: ("skewstudentt", 2),
 }
 
 

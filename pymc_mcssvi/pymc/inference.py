@@ -1504,8 +1504,8 @@ class StructuredVI(Inference):
         """Move the start's means (q(w)'s and q(h)'s) by uniform noise, as ``pm.sample``
         jitters its initial point, and start again (before any step was accepted)."""
         k = self.kernel
-        seed = 0 if self.random_seed is None else self.random_seed
-        rng = np.random.default_rng([int(np.ravel(seed)[0]) % 2**32, self._start_jitters])
+        seed = self.random_seed if isinstance(self.random_seed, int | np.integer) else 0
+        rng = np.random.default_rng([int(seed) % 2**32, self._start_jitters])
 
         def jitter(shared):
             x = shared.get_value()

@@ -417,10 +417,17 @@ def _prior_term(model, g: GaussianGlobal, gvalues, gshapes):
 
 
 def _constant_data(x, name):
-    x = x.owner.inputs[0] if x.owner is not None and x.ndim > 2 else x
+    """The value of a constant adjacency matrix (dense, sparse, or with expanded dims)."""
+    while x.owner is not None and len(x.owner.inputs) == 1:  # DimShuffle, DenseFromSparse
+        x = x.owner.inputs[0]
+    data = getattr(x, "data", None)
+    if isinstance(x, Constant) and hasattr(data, "toarray"):  # a scipy.sparse matrix
+        return np.asarray(data.toarray())
     if not isinstance(x, Constant):
         raise UnsupportedModelError(
-            name, "its adjacency matrix W is symbolic", "pass W as a NumPy array (constant)"
+            name,
+            "its adjacency matrix W is not a constant array (sparse or symbolic)",
+            "pass W as a dense NumPy array of 0s and 1s",
         )
     return np.asarray(x.data)
 

@@ -586,3 +586,22 @@ def test_start_where_a_derivative_is_not_finite_is_jittered():
     assert approx.converged
     rho_draws = approx.sample(200, random_seed=2).posterior["rho"].values
     assert np.all(np.isfinite(rho_draws)) and 0.3 < rho_draws.mean() < 1.0
+
+
+def test_car_with_a_sparse_adjacency_matrix_fits_as_the_dense_one():
+    """``pm.CAR`` accepts a ``scipy.sparse`` adjacency matrix (PyMC's CAR example uses
+    one); recognition read it as an object array ("setting an array element with a
+    sequence")."""
+    import scipy.sparse as sp
+
+    from tests.algorithms.test_conjugate import _grid_adjacency
+
+    W = _grid_adjacency(3, 3)
+    y = np.random.default_rng(0).normal(size=9)
+    means = []
+    for adjacency in (W, sp.csr_matrix(W)):
+        with pm.Model():
+            phi = pm.CAR("phi", mu=np.zeros(9), W=adjacency, alpha=0.5, tau=1.0)
+            pm.Normal("y", phi, 0.5, observed=y)
+            means.append(pm.fit(method="hmcssvi", progressbar=False, random_seed=1).mean.eval())
+    np.testing.assert_allclose(means[1], means[0], rtol=1e-12, atol=1e-12)

@@ -454,9 +454,10 @@ def _icar_residuals(value, params):
 
 def _car_residuals(value, params):
     """``pm.CAR(mu, W, alpha, tau)``: Gaussian with precision ``Q = tau (D - alpha W)``
-    (``D`` the neighbour counts); residuals ``L^T (phi - mu)`` with ``Q = L L^T`` and
-    PyMC's normalizer ``(log det Q - sum log D - n log 2 pi) / 2`` (its log density
-    leaves out the constant ``sum log D`` and ``2 pi``)."""
+    (``D`` the neighbour counts); residuals ``L^T (phi - mu)`` with ``Q = L L^T``, and
+    the constant that makes their standard-normal log densities add up to PyMC's
+    ``(log det Q - sum log D - (phi - mu)^T Q (phi - mu)) / 2`` (which leaves out the
+    constants ``sum log D`` and ``n log 2 pi``)."""
     mu, W, alpha, tau = params[:4]
     W = _constant_data(W, "CAR").astype("float64")
     D = W.sum(axis=0)

@@ -342,9 +342,8 @@ NON_GAUSSIAN_PRIORS = {
 def loc_and_others(rv, ps):
     """The location parameter of ``rv``'s prior and its other parameters."""
     op, _ = base_op(rv)
-    if isinstance(
-        op, ZeroSumNormalRV | ICARRV
-    ):  # zero mean; (sigma, support shape) / (W, sigma, sd)
+    # zero mean; parameters (sigma, support shape) and (W, sigma, zero_sum_stdev)
+    if isinstance(op, ZeroSumNormalRV | ICARRV):
         return pt.constant(0.0), list(ps)
     spec = NON_GAUSSIAN_PRIORS.get(type(op))
     i = 0 if spec is None else spec[1]

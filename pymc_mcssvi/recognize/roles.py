@@ -493,8 +493,10 @@ def assign_roles(model) -> Roles:
             "pm.gp.Marginal writes a GP): write the GP with pm.gp.Latent (or pm.gp.HSGP) "
             "and a pm.Normal likelihood, so that its values are the Gaussian global, "
             if marginal_gp
-            else "give the regression coefficients Normal priors (for proportions such as a "
-            "Dirichlet topic model's, softmax of Normal logits: a correlated topic model), "
+            else "give the regression coefficients Normal priors (for probabilities, "
+            "pm.math.invlogit of Normal effects instead of pm.Beta ones; for proportions such "
+            "as a Dirichlet topic model's, softmax of Normal logits: a correlated topic "
+            "model), "
         )
         raise UnsupportedModelError(
             names,

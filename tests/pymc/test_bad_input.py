@@ -261,3 +261,14 @@ def test_marginal_gp_without_latents_is_told_how_to_write_it():
         gp.marginal_likelihood("y", X=X, y=y, sigma=pm.HalfNormal("sigma", 1))
         with pytest.raises(UnsupportedModelError, match=r"'y' is an MvNormal.*pm\.gp\.Latent"):
             pm.fit(method="hmcssvi", progressbar=False)
+
+
+def test_beta_binomial_hierarchy_is_told_to_use_logit_normal_effects():
+    """The rat-tumour model of PyMC's gallery (``theta_j ~ Beta``, binomial counts) has no
+    Gaussian global; the error points to the logit-normal form the plugin fits."""
+    with pm.Model():
+        mu, kappa = pm.Beta("mu", 1, 1), pm.Gamma("kappa", 2, 0.1)
+        theta = pm.Beta("theta", mu * kappa, (1 - mu) * kappa, shape=5)
+        pm.Binomial("y", n=20, p=theta, observed=[1, 3, 2, 5, 4])
+        with pytest.raises(UnsupportedModelError, match=r"invlogit of Normal effects"):
+            pm.fit(method="hmcssvi", progressbar=False)

@@ -32,6 +32,7 @@ import numpy as np
 import pymc as pm
 import pytensor.tensor as pt
 from pymc.variational.minibatch_rv import MinibatchRandomVariable, get_scaling
+from pytensor.compile.ops import ViewOp
 from pytensor.gradient import disconnected_grad
 from pytensor.graph.replace import graph_replace, vectorize_graph
 from pytensor.graph.traversal import graph_inputs, io_toposort
@@ -42,14 +43,19 @@ from pytensor.tensor.shape import SpecifyShape
 
 from pymc_mcssvi.estimators.quadrature import gauss_hermite
 from pymc_mcssvi.exceptions import UnsupportedModelError
-from pymc_mcssvi.recognize.graph import as_float, remove_checks, shape64
+from pymc_mcssvi.recognize.graph import as_float, evaluate_static, remove_checks, shape64
 from pymc_mcssvi.recognize.roles import base_op, dist_params
 
 __all__ = ["MAX_NEWTON_STEP", "NEWTON_STEPS", "isolate_addend", "laplace_nodes", "marginal_logp"]
 
 
 def marginal_logp(
-    model, local, bound: str = "optimal", inner: str = "quadrature", n_inner: int = 12
+    model,
+    local,
+    bound: str = "optimal",
+    inner: str = "quadrature",
+    n_inner: int = 12,
+    fixed=(),
 ):
     """Elementwise log density of ``local.observed`` with ``local`` integrated out.
 
@@ -63,6 +69,10 @@ def marginal_logp(
         Gauss-Hermite nodes or fresh standard normal draws for a Gaussian local.
     n_inner : int
         Number of inner nodes or draws.
+    fixed : collection of TensorVariable
+        Value variables (the Gaussian globals) that the scale ``b`` of a
+        non-centred local, read as ``a + b * f`` (:func:`centre_local`), must not
+        depend on.
 
     Returns
     -------
@@ -82,7 +92,10 @@ def marginal_logp(
         return minibatch_scale * _enumerate(model, local, logp_y, bound)
 
     loc, scale = (pt.broadcast_to(as_float(p), shape64(shape)) for p in params)
-    closed = _gaussian_closed_form(obs, value, logp_y, loc, scale, bound, model)
+    centred = centre_local(logp_y, value, loc, scale, fixed)
+    closed = _gaussian_closed_form(obs, value, logp_y, loc, scale, bound, model, fixed)
+    if centred is not None:
+        logp_y, value, loc, scale = centred
     if closed is not None:
         return minibatch_scale * closed
     if inner not in ("quadrature", "mc"):
@@ -224,8 +237,9 @@ def _unscaled_logp(model, obs):
     return remove_checks(logp_y), get_scaling(total_size, y.shape)
 
 
-def _gaussian_closed_form(obs, value, logp_y, loc, scale, bound, model):
-    """``y ~ N(f, sigma)``: the marginal is ``N(y; a, sqrt(sigma^2 + s^2))`` exactly."""
+def _gaussian_closed_form(obs, value, logp_y, loc, scale, bound, model, fixed=()):
+    """``y ~ N(f, sigma)``: the marginal is ``N(y; a, sqrt(sigma^2 + s^2))`` exactly
+    (also for ``y ~ N(c + b f, sigma)``, through :func:`affine_in`)."""
     op, base = base_op(obs)
     if not isinstance(op, NormalRV):
         return None
@@ -233,11 +247,15 @@ def _gaussian_closed_form(obs, value, logp_y, loc, scale, bound, model):
     while (
         mu is not value
         and mu.owner is not None
-        and isinstance(mu.owner.op, DimShuffle | SpecifyShape)
+        and isinstance(mu.owner.op, DimShuffle | SpecifyShape | ViewOp)
     ):
-        mu = mu.owner.inputs[0]
+        mu = mu.owner.inputs[0]  # a pm.Deterministic is a ViewOp
     if mu is not value:
-        return None
+        found = affine_in(mu, value, fixed)
+        if found is None or _depends(sigma, [value]):
+            return None
+        a, b = found
+        loc, scale = a + b * loc, pt.abs(b) * scale
     y = model.rvs_to_values[obs]
     sigma = pt.broadcast_to(as_float(sigma), loc.shape)
     if bound == "optimal":
@@ -249,6 +267,114 @@ def _gaussian_closed_form(obs, value, logp_y, loc, scale, bound, model):
         - pt.log(sigma)
         - 0.5 * (pt.square(y - loc) + pt.square(scale)) / pt.square(sigma)
     )
+
+
+def centre_local(logp_y, value, loc, scale, fixed=()):
+    r"""The density of a non-centred local in its centred variable.
+
+    A local ``f ~ N(loc, scale)`` that ``logp_y`` reads only through one
+    ``t = a + b * f`` (``mu + tau * z`` of a non-centred effect, one per
+    observation) is the centred local ``t ~ N(a + b loc, |b| scale)``:
+    :math:`\int p(y \mid a + b f) N(f; l, s) df = \int p(y \mid t) N(t; a + b l, |b| s) dt`.
+    The marginal then reads the globals through the prior mean ``a + b loc`` as
+    for a centred effect (one affine predictor per observation) instead of
+    through every quadrature node (a general term).
+
+    Returns ``(logp_t, t, loc_t, scale_t)``, or None when there is no such ``t``:
+    ``f`` is read elsewhere too, ``b`` depends on ``fixed`` (the Gaussian
+    globals), or ``t`` does not have ``f``'s shape. The change of variables is
+    exact, and the adaptive nodes of :func:`laplace_nodes` are affine
+    equivariant, so the marginal is unchanged up to rounding.
+
+    Examples
+    --------
+    >>> import pytensor.tensor as pt
+    >>> z, mu, tau = pt.vector("z"), pt.scalar("mu"), pt.scalar("tau")
+    >>> logp = -0.5 * pt.square(2.0 - (mu + tau * z))
+    >>> loc, scale = pt.zeros(3), pt.ones(3)
+    >>> logp_t, t, loc_t, scale_t = centre_local(logp, z, loc, scale)
+    >>> loc_t.eval({mu: 1.0, tau: 2.0}), scale_t.eval({tau: -2.0})
+    (array([1., 1., 1.]), array([2., 2., 2.]))
+    """
+    for node in io_toposort(graph_inputs([logp_y]), [logp_y]):
+        if not (isinstance(node.op, Elemwise) and isinstance(node.op.scalar_op, ps.Add | ps.Sub)):
+            continue
+        (t,) = node.outputs
+        found = affine_in(t, value, fixed)
+        if found is None or t.type.broadcastable != value.type.broadcastable:
+            continue
+        a, b = found
+        if _has_zeros(b):
+            continue  # a data column with zeros: the local is absent from those rows
+        centred = value.type()
+        centred.name = f"{value.name or 'local'}_centred"
+        logp_t = graph_replace(logp_y, {t: centred}, strict=False)
+        if _depends(logp_t, [value]):
+            continue  # f is read elsewhere too
+        loc_t = pt.broadcast_to(a + b * loc, loc.shape)
+        scale_t = pt.broadcast_to(pt.abs(b) * scale, loc.shape)
+        return logp_t, centred, loc_t, scale_t
+    return None
+
+
+def affine_in(t, value, fixed=()):
+    """``(a, b)`` with ``t == a + b * value`` as written (``a + b * value``,
+    ``a - b * value``, ``a + value``), ``a`` and ``b`` free of ``value`` and ``b``
+    free of ``fixed``; None otherwise."""
+    node = t.owner
+    if node is None or not isinstance(node.op, Elemwise):
+        return None
+    op = node.op.scalar_op
+    if not isinstance(op, ps.Add | ps.Sub):
+        return None
+    mine = [i for i, x in enumerate(node.inputs) if _depends(x, [value])]
+    if len(mine) != 1 or (isinstance(op, ps.Sub) and mine != [1]):
+        return None
+    b = _scale_of(node.inputs[mine[0]], value)
+    if b is None or _depends(b, [value, *fixed]):
+        return None
+    others = [x for i, x in enumerate(node.inputs) if i != mine[0]]
+    if isinstance(op, ps.Sub):
+        return others[0], -b
+    return pt.add(*others), b
+
+
+def _scale_of(x, value):
+    """``b`` with ``x == b * value`` as written (``value`` itself: 1), else None."""
+    while x.owner is not None and isinstance(x.owner.op, ViewOp):
+        x = x.owner.inputs[0]  # a pm.Deterministic
+    if x is value:
+        return pt.constant(1.0, dtype=value.dtype)
+    node = x.owner
+    if (
+        node is None
+        or not isinstance(node.op, Elemwise)
+        or not isinstance(node.op.scalar_op, ps.Mul)
+    ):
+        return None
+    hits = [i for i, v in enumerate(node.inputs) if v is value]
+    if len(hits) != 1:
+        return None
+    rest = [v for i, v in enumerate(node.inputs) if i != hits[0]]
+    return rest[0] if len(rest) == 1 else pt.mul(*rest)
+
+
+def _has_zeros(b) -> bool:
+    """Whether a scale that depends on no free variable (data, constants) has zeros."""
+    from pytensor.graph.fg import MissingInputError
+
+    try:
+        (val,) = evaluate_static([b])
+    except MissingInputError:
+        return False  # a hyperparameter: zero on a set of measure zero
+    return bool(np.any(np.asarray(val) == 0))
+
+
+def _depends(x, variables) -> bool:
+    from pytensor.graph.traversal import ancestors
+
+    targets = set(variables)
+    return any(v in targets for v in ancestors([x]))
 
 
 def _enumerate(model, local, logp_y, bound):

@@ -160,7 +160,9 @@ def _recognize(model, cov, bound, inner, n_inner) -> TwoLevelModel:
         suffix = ""
         if obs.name in local_of:
             lc = local_of[obs.name]
-            logp = marginal_logp(model, lc, bound=bound, inner=inner, n_inner=n_inner)
+            logp = marginal_logp(
+                model, lc, bound=bound, inner=inner, n_inner=n_inner, fixed=list(gvalues)
+            )
             suffix = (
                 f", through local {lc.name!r}"
                 if lc.kind == "gaussian"

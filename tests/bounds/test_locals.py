@@ -309,3 +309,87 @@ def test_monte_carlo_inner_integral_is_unbiased_in_the_likelihood_and_fits():
             10, progressbar=False
         )
     assert np.all(np.isfinite(approx.hist))
+
+
+def _noncentred_and_centred(kind, deterministic=False):
+    """One local per observation, scaled by a hyperparameter (rat tumours, eight
+    schools): ``mu + sigma * z`` with ``z ~ N(0, 1)``, and ``theta ~ N(mu, sigma)``."""
+    rng = np.random.default_rng(3)
+    n = rng.integers(10, 40, 12)
+    y = rng.binomial(n, 0.3) if kind == "binomial" else rng.normal(1.0, 2.0, 12)
+    se = np.linspace(0.5, 2.0, 12)
+
+    def lik(eta):
+        if kind == "binomial":
+            pm.Binomial("y", n=n, p=pm.math.invlogit(eta), observed=y)
+        else:
+            pm.Normal("y", eta, se, observed=y)
+
+    with pm.Model() as nc:
+        mu = pm.Normal("mu", 0, 2)
+        sigma = pm.HalfNormal("sigma", 1)
+        z = pm.Normal("z", 0, 1, shape=12)
+        eta = mu + sigma * z
+        lik(pm.Deterministic("theta", eta) if deterministic else eta)
+    with pm.Model() as c:
+        mu = pm.Normal("mu", 0, 2)
+        sigma = pm.HalfNormal("sigma", 1)
+        lik(pm.Normal("theta", mu, sigma, shape=12))
+    return nc, c
+
+
+@pytest.mark.parametrize(("kind", "deterministic"), [("binomial", False), ("normal", True)])
+def test_noncentred_local_is_integrated_as_the_centred_one(kind, deterministic):
+    """``mu + sigma * z`` is the centred local ``theta ~ N(mu, sigma)`` (a change of
+    variables): the marginal is the centred one at any point, to rounding, and reads
+    the globals through one affine predictor. Before, every quadrature node carried
+    ``mu`` and the term went to the general estimator (rat tumours: 12.7 s against
+    7.9 s for the centred model, the same bound)."""
+    nc, c = _noncentred_and_centred(kind, deterministic)
+    marginals = []
+    for m in (nc, c):
+        (lc,) = assign_roles(m).locals
+        lp = marginal_logp(m, lc)
+        mu, sigma = m.rvs_to_values[m["mu"]], m.rvs_to_values[m["sigma"]]
+        fn = pytensor.function([mu, sigma], lp)
+        marginals.append([fn(a, np.log(s)) for a, s in [(-0.8, 0.3), (0.4, 1.7), (1.1, 0.05)]])
+    np.testing.assert_allclose(marginals[0], marginals[1], rtol=1e-11, atol=1e-11)
+    expected = "dense affine, through local 'z'"
+    assert pymc_mcssvi.describe(nc).predictor("y") == expected
+    with nc:
+        q_nc = pymc_mcssvi.HMCSSVI(random_seed=1).fit(progressbar=False)
+    with c:
+        q_c = pymc_mcssvi.HMCSSVI(random_seed=1).fit(progressbar=False)
+    np.testing.assert_allclose(q_nc.hist[-1], q_c.hist[-1], rtol=1e-9)
+
+
+def test_local_scaled_by_a_global_or_read_twice_is_not_recentred():
+    """The change of variables needs the scale free of the Gaussian globals (``beta * z``
+    with ``beta`` Gaussian is a product of two unknowns), ``z`` read through the one
+    affine expression only, and no zero in a data scale (``x * z`` with ``x = 0`` on
+    some rows would give those rows a local of sd 0); otherwise the term stays
+    general (and exact)."""
+    rng = np.random.default_rng(4)
+    y = rng.poisson(3, 10)
+    with pm.Model() as by_global:
+        mu = pm.Normal("mu", 0, 2)
+        beta = pm.Normal("beta", 0.5, 1)
+        z = pm.Normal("z", 0, 1, shape=10)
+        pm.Poisson("y", pm.math.exp(mu + beta * z), observed=y)
+    with pm.Model() as twice:
+        mu = pm.Normal("mu", 0, 2)
+        sigma = pm.HalfNormal("sigma", 1)
+        z = pm.Normal("z", 0, 1, shape=10)
+        pm.NegativeBinomial(
+            "y", mu=pm.math.exp(mu + sigma * z), alpha=pm.math.exp(z) + 1, observed=y
+        )
+    with pm.Model() as by_zeros:
+        mu = pm.Normal("mu", 0, 2)
+        z = pm.Normal("z", 0, 1, shape=10)
+        pm.Poisson("y", pm.math.exp(mu + np.arange(10) % 3 * z), observed=y)
+    for m in (by_global, twice, by_zeros):
+        assert pymc_mcssvi.describe(m).predictor("y") == "general, through local 'z'"
+        (lc,) = assign_roles(m).locals
+        assert np.all(
+            np.isfinite(marginal_logp(m, lc).eval({v: 0.1 for v in m.value_vars if v.name != "z"}))
+        )

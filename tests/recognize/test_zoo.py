@@ -302,9 +302,10 @@ ZOO: dict[str, dict] = {
         reason={"mu_a": "enters the mean of 'a' non-linearly"},
     ),
     "nonlinear_regression": dict(
-        roles={"a": GAUSS, "b": GAUSS, "sigma": HYPER},
-        predictor={"y": "general"},
-        q={"a": "full (2 x 2) with b", "b": "full (2 x 2) with a"},
+        roles={"a": GAUSS, "b": HYPER, "sigma": HYPER},
+        predictor={"y": "dense affine"},
+        q={"a": "full (1 x 1)"},
+        reason={"b": "enters non-linearly in the predictor of 'y'"},
     ),
     "random_walk_spline": pytest.param(
         dict(

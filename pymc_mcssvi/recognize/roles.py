@@ -61,7 +61,13 @@ from pytensor.tensor.random.type import RandomType
 from pymc_mcssvi.distributions import RayleighRV
 from pymc_mcssvi.exceptions import UnsupportedModelError
 from pymc_mcssvi.recognize.affine import linearize
-from pymc_mcssvi.recognize.graph import depends_on_any, is_entrywise, is_separable, remove_checks
+from pymc_mcssvi.recognize.graph import (
+    depends_on_any,
+    is_entrywise,
+    is_separable,
+    lift_gathers,
+    remove_checks,
+)
 from pymc_mcssvi.recognize.ir import GaussianGlobal, Hyperparameter, LocalLatent, RayleighGlobal
 from pymc_mcssvi.recognize.zerosum import LinearZeroSumTransform
 
@@ -181,7 +187,8 @@ class Roles:
 def _observed_logps(model):
     obs = list(model.observed_RVs)
     lps = model.logp(vars=obs, sum=False) if obs else []  # one call: each rewrites the graph
-    return {o: remove_checks(lp) for o, lp in zip(obs, lps, strict=True)}
+    # gathers below element-wise links: invlogit(mu + s * z)[g] reads as a gather GLM
+    return {o: lift_gathers(remove_checks(lp)) for o, lp in zip(obs, lps, strict=True)}
 
 
 def _jittered(point, sd=0.3, seed=0):

@@ -198,8 +198,10 @@ GALLERY = [
     (
         gallery_decay,
         "A non-affine model: exponential decay",
-        "`a * exp(-b * t)` is not affine in `(a, b)`: the likelihood goes through "
-        "the general (Monte Carlo + autodiff) path.",
+        "`a * exp(-b * t)` is not affine in `(a, b)`, but it is affine in `a` given "
+        "the scalar `b`: `b` becomes a hyperparameter and the predictor is affine. "
+        "With a vector of rates (`exp(-b[group] * t)`) the likelihood would go "
+        "through the general (Monte Carlo + autodiff) path.",
     ),
     (
         gallery_missing,

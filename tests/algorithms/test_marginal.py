@@ -9,6 +9,8 @@ import pymc_mcssvi
 from pymc_mcssvi.algorithms.marginal import (
     AXIS_POINTS,
     EPS_GRID,
+    MAX_AXIS_RESCALES,
+    ConditionalProfile,
     axis_marginal,
     table_transform,
 )
@@ -57,6 +59,38 @@ def test_axis_marginal_refuses_a_profile_that_contradicts_the_curvature():
     values[3] = np.nan
     assert axis_marginal(values, np.eye(1), np.ones(1)) is None
     assert EPS_GRID[0] < -6 and EPS_GRID[-1] > 6
+
+
+def test_axis_marginal_of_a_flat_top_follows_the_profile():
+    """A flat top (``-z^4 / 8``: second difference 0.25 at +-1, below the accepted
+    range) that falls faster than the Gaussian further out (-10 at 3 sd): the profile's
+    marginal, with lighter tails than the Gaussian of the centre's curvature (kept
+    before: a small radon slope sd drawn up to 2.2 at its 95% quantile, NUTS 0.23). A
+    flat top that does not fall by 3 sd stays refused."""
+    values = np.r_[0.0, -(AXIS_POINTS**4) / 8]
+    am = axis_marginal(values, np.eye(1), np.ones(1))
+    assert am is not None
+    eps = pt.as_tensor(np.random.default_rng(0).standard_normal((100_000, 1)))
+    draws = table_transform(eps, pt.as_tensor(am.table)).eval()[:, 0]
+    assert np.quantile(np.abs(draws), 0.99) < 2.7  # a unit Gaussian: 2.58; -z^4/8: 2.3
+    assert np.quantile(np.abs(draws), 0.5) > 0.7  # but wider at the top: 0.67
+    heavy = np.r_[0.0, -0.12 * AXIS_POINTS**2]
+    assert axis_marginal(heavy, np.eye(1), np.ones(1)) is None
+
+
+def test_axis_walk_is_at_the_scale_it_reports():
+    """When the second difference at +-1 sd never enters the accepted range (a quartic
+    profile: the re-scaled walk alternates between too narrow and too wide), the scale
+    returned is the one the points were taken at; it was re-set once more after the
+    last walk, and the marginal was stretched by that factor (2x on a radon slope sd)."""
+    c = 0.05
+    step = lambda h, rho, m, f: (-c * float(h @ h) ** 2, m, f)  # noqa: E731
+    prof = ConditionalProfile(step, np.zeros(1), [], [], [])
+    centre = prof.refit(np.zeros(1), [], [])
+    refits, scales = prof.along_axes(centre, np.eye(1), np.ones(1))
+    values = np.array([r.value for r in refits])
+    np.testing.assert_allclose(values, -c * (AXIS_POINTS * scales[0]) ** 4, rtol=1e-12)
+    assert MAX_AXIS_RESCALES >= 1
 
 
 def _lmm(rng, G=10, n=120, sd_a=0.25):

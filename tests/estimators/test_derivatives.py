@@ -100,22 +100,24 @@ def test_gathered_random_effects(rng, cov):
 
 
 def test_nonlinear_general_path_gradient_and_hessian(rng):
-    """General estimator: g is the exact gradient of its (fixed-draw) objective, H = dg/dm."""
-    t = np.linspace(0, 4, 30)
-    y = 2.0 * np.exp(-0.7 * t) + rng.normal(0, 0.1, t.size)
+    """General estimator: g is the exact gradient of its (fixed-draw) objective, H = dg/dm.
+    (One decay rate per group: a scalar rate alone would be a hyperparameter.)"""
+    t = np.tile(np.linspace(0, 4, 15), 2)
+    grp = np.repeat([0, 1], 15)
+    y = 2.0 * np.exp(-np.array([0.7, 1.0])[grp] * t) + rng.normal(0, 0.1, t.size)
     with pm.Model():
         a = pm.Normal("a", 1, 1)
-        b = pm.Normal("b", 0.5, 0.5)
-        pm.Normal("y", a * pm.math.exp(-b * t), 0.1, observed=y)
+        b = pm.Normal("b", 0.5, 0.5, shape=2)
+        pm.Normal("y", a * pm.math.exp(-b[grp] * t), 0.1, observed=y)
         inf = pymc_mcssvi.MCSSVI(n_draws=16)
     assert inf.tlm.observed["y"] == "general"
     k, fn = _functions(inf)
-    m0 = np.array([[1.5, 0.6]])
-    S0 = np.array([[[0.02, 0.003], [0.003, 0.01]]])
+    m0 = np.array([[1.5, 0.6, 0.9]])
+    S0 = np.array([[[0.02, 0.003, 0.001], [0.003, 0.01, 0.002], [0.001, 0.002, 0.015]]])
     _set(k, [m0], [S0])
     _, g, H = fn()
     h = 1e-6
-    for i in range(2):
+    for i in range(3):
         mp, mm = m0.copy(), m0.copy()
         mp[0, i] += h
         mm[0, i] -= h

@@ -583,3 +583,12 @@ def test_link_applied_before_the_gather_reads_as_a_gather_glm():
         pm.Binomial("hits", n=ab, p=phi[pos], observed=hits)
     assert recognize(model).observed["hits"] == "gather"
     _compare(model, "link_then_gather", ["mu", "sd_pos"], "hmcssvi", sd_tol=0.15)
+    # the same with the group-level rates kept as a Deterministic (a Poisson with
+    # exposures: its group sd was 2.3 NUTS sds too high on the general path)
+    with pm.Model() as model:
+        a = pm.Normal("a", 0, 1)
+        sd = pm.HalfNormal("sd", 0.5)
+        z = pm.Normal("z", 0, 1, shape=P)
+        lam = pm.Deterministic("lam", pm.math.exp(a + sd * z))
+        pm.Poisson("y", lam[pos] * ab / 100, observed=hits)
+    assert recognize(model).observed["y"] == "gather"

@@ -551,12 +551,22 @@ def _reject_time_series_latents(roles):
         if not isinstance(op, _TIME_SERIES_OPS):
             continue
         kind = type(op).__name__.removesuffix("RV")
+        if isinstance(op, AutoRegressiveRV):
+            example = (
+                "for an AR(1) `eps = pm.Normal('eps', 0, 1, shape=T)`, "
+                "`lag = pt.arange(T)[:, None] - pt.arange(T)[None, :]` and "
+                "`x = pm.Deterministic('x', pt.tril(rho ** pt.maximum(lag, 0)) @ (sigma * eps))` "
+                "(x_t = rho x_(t-1) + sigma eps_t)"
+            )
+        else:
+            example = (
+                "for a random walk `eps = pm.Normal('eps', 0, 1, shape=T)` and "
+                "`x = pm.Deterministic('x', pt.cumsum(sigma * eps))`"
+            )
         raise UnsupportedModelError(
             h.name,
             f"a latent time series ({kind}) is not one of the structured q's Gaussian globals "
             "(its prior couples neighbouring time points)",
-            "write it with Normal innovations, e.g. for a random walk "
-            "`eps = pm.Normal('eps', 0, 1, shape=T)` and "
-            "`x = pm.Deterministic('x', pt.cumsum(sigma * eps))`, which makes the innovations "
+            f"write it with Normal innovations, e.g. {example}, which makes the innovations "
             "Gaussian globals; or fit this model with pm.sample() or pm.fit(method='advi')",
         )

@@ -48,6 +48,31 @@ def flat_indices(tlm):
     return offsets, off, maps
 
 
+def moment_matched(half):
+    """Draws ``(n, R, K)`` whose second moment per row is exactly the identity.
+
+    With their negatives (antithetic pairs) the fixed draws then have the standard
+    normal's mean and covariance exactly, so expectations of quadratic functions are
+    exact: 32 plain pairs in 26 dimensions gave a group scale 0.6 NUTS sds too high
+    on a hierarchical decay curve. Rows with fewer draws than coordinates are left as
+    drawn.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> e = moment_matched(np.random.default_rng(0).standard_normal((40, 3, 5)))
+    >>> bool(np.allclose(np.einsum("nrk,nrl->rkl", e, e) / 40, np.eye(5)))
+    True
+    """
+    n, _, k = half.shape
+    if n <= k:
+        return half
+    second = np.einsum("nrk,nrl->rkl", half, half) / n
+    L = np.linalg.cholesky(second)
+    # e L^-T per row: second moment L^-1 S L^-T = I
+    return np.einsum("rkl,nrl->nrk", np.linalg.inv(L), half)
+
+
 class GeneralEstimator:
     """Expectations of the general (non-affine) terms of a :class:`TwoLevelModel`.
 
@@ -92,7 +117,7 @@ class GeneralEstimator:
         if not self.fixed:
             return pt.random.normal(size=shape)
         rng = np.random.default_rng(self.seed + 7919 * seg.rows + seg.k)
-        half = rng.standard_normal((self.n_draws // 2, seg.rows, seg.k))
+        half = moment_matched(rng.standard_normal((self.n_draws // 2, seg.rows, seg.k)))
         return pt.constant(np.concatenate([half, -half]))
 
     def expectations(self, states, parameterization, need_hessian=True):

@@ -194,6 +194,12 @@ GALLERY = [
         "Matrix factorization: a bilinear predictor",
         "The factors of a bilinear predictor get one K x K block per row (user or "
         "item), whatever their size.",
+        "Row and column biases, an intercept or fixed effects added to the product,\n"
+        "`mu + a[user] + b[item] + (U[user] * V[item]).sum(-1)`, keep the bilinear\n"
+        "estimator: the predictor reads `bilinear + affine`, and the added variables\n"
+        "share one covariance block as in a GLMM. Anything else done to the product\n"
+        "(scaling it by another variable, say) sends the likelihood to the general path,\n"
+        "`general (bilinear + other terms)`.",
     ),
     (
         gallery_decay,
@@ -342,7 +348,7 @@ def gallery_markdown() -> str:
         "import pymc_mcssvi",
         "```",
     ]
-    for k, (fn, title, blurb) in enumerate(GALLERY, start=1):
+    for k, (fn, title, blurb, *after) in enumerate(GALLERY, start=1):
         parts += [
             "",
             f"### {k}. {title}",
@@ -357,6 +363,7 @@ def gallery_markdown() -> str:
             run_snippet(fn),
             "```",
         ]
+        parts += [line for text in after for line in ("", text)]  # prose after the output
     return "\n".join(parts)
 
 

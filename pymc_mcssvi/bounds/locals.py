@@ -360,14 +360,32 @@ def _scale_of(x, value):
 
 
 def _has_zeros(b) -> bool:
-    """Whether a scale that depends on no free variable (data, constants) has zeros."""
+    """Whether a factor of the scale ``b`` that depends on no free variable (data,
+    constants) has zeros (``sigma * x`` with a binary ``x``)."""
     from pytensor.graph.fg import MissingInputError
 
-    try:
-        (val,) = evaluate_static([b])
-    except MissingInputError:
-        return False  # a hyperparameter: zero on a set of measure zero
-    return bool(np.any(np.asarray(val) == 0))
+    factors, todo = [], [b]
+    while todo:
+        f = todo.pop()
+        node = f.owner
+        if node is not None and isinstance(node.op, DimShuffle | ViewOp):
+            todo.append(node.inputs[0])
+        elif (
+            node is not None
+            and isinstance(node.op, Elemwise)
+            and isinstance(node.op.scalar_op, ps.Mul)
+        ):
+            todo.extend(node.inputs)
+        else:
+            factors.append(f)
+    for f in factors:
+        try:
+            (val,) = evaluate_static([f])
+        except MissingInputError:
+            continue  # a hyperparameter: zero on a set of measure zero
+        if np.any(np.asarray(val) == 0):
+            return True
+    return False
 
 
 def _depends(x, variables) -> bool:

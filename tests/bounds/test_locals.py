@@ -387,7 +387,12 @@ def test_local_scaled_by_a_global_or_read_twice_is_not_recentred():
         mu = pm.Normal("mu", 0, 2)
         z = pm.Normal("z", 0, 1, shape=10)
         pm.Poisson("y", pm.math.exp(mu + np.arange(10) % 3 * z), observed=y)
-    for m in (by_global, twice, by_zeros):
+    with pm.Model() as by_scaled_zeros:  # a hyperparameter times data with zeros
+        mu = pm.Normal("mu", 0, 2)
+        sigma = pm.HalfNormal("sigma", 1)
+        z = pm.Normal("z", 0, 1, shape=10)
+        pm.Poisson("y", pm.math.exp(mu + sigma * (np.arange(10) % 2) * z), observed=y)
+    for m in (by_global, twice, by_zeros, by_scaled_zeros):
         assert pymc_mcssvi.describe(m).predictor("y") == "general, through local 'z'"
         (lc,) = assign_roles(m).locals
         assert np.all(

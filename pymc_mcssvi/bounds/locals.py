@@ -43,7 +43,13 @@ from pytensor.tensor.shape import SpecifyShape
 
 from pymc_mcssvi.estimators.quadrature import gauss_hermite
 from pymc_mcssvi.exceptions import UnsupportedModelError
-from pymc_mcssvi.recognize.graph import as_float, evaluate_static, remove_checks, shape64
+from pymc_mcssvi.recognize.graph import (
+    as_float,
+    depends_on_any,
+    evaluate_static,
+    remove_checks,
+    shape64,
+)
 from pymc_mcssvi.recognize.roles import base_op, dist_params
 
 __all__ = ["MAX_NEWTON_STEP", "NEWTON_STEPS", "isolate_addend", "laplace_nodes", "marginal_logp"]
@@ -92,12 +98,12 @@ def marginal_logp(
         return minibatch_scale * _enumerate(model, local, logp_y, bound)
 
     loc, scale = (pt.broadcast_to(as_float(p), shape64(shape)) for p in params)
-    centred = centre_local(logp_y, value, loc, scale, fixed)
     closed = _gaussian_closed_form(obs, value, logp_y, loc, scale, bound, model, fixed)
-    if centred is not None:
-        logp_y, value, loc, scale = centred
     if closed is not None:
         return minibatch_scale * closed
+    centred = centre_local(logp_y, value, loc, scale, fixed)
+    if centred is not None:
+        logp_y, value, loc, scale = centred
     if inner not in ("quadrature", "mc"):
         raise ValueError(f"inner must be 'quadrature' or 'mc', got {inner!r}")
     if inner == "quadrature" and bound == "optimal":
@@ -252,7 +258,7 @@ def _gaussian_closed_form(obs, value, logp_y, loc, scale, bound, model, fixed=()
         mu = mu.owner.inputs[0]  # a pm.Deterministic is a ViewOp
     if mu is not value:
         found = affine_in(mu, value, fixed)
-        if found is None or _depends(sigma, [value]):
+        if found is None or depends_on_any(sigma, [value]):
             return None
         a, b = found
         loc, scale = a + b * loc, pt.abs(b) * scale
@@ -309,7 +315,7 @@ def centre_local(logp_y, value, loc, scale, fixed=()):
         centred = value.type()
         centred.name = f"{value.name or 'local'}_centred"
         logp_t = graph_replace(logp_y, {t: centred}, strict=False)
-        if _depends(logp_t, [value]):
+        if depends_on_any(logp_t, [value]):
             continue  # f is read elsewhere too
         loc_t = pt.broadcast_to(a + b * loc, loc.shape)
         scale_t = pt.broadcast_to(pt.abs(b) * scale, loc.shape)
@@ -327,11 +333,11 @@ def affine_in(t, value, fixed=()):
     op = node.op.scalar_op
     if not isinstance(op, ps.Add | ps.Sub):
         return None
-    mine = [i for i, x in enumerate(node.inputs) if _depends(x, [value])]
+    mine = [i for i, x in enumerate(node.inputs) if depends_on_any(x, [value])]
     if len(mine) != 1 or (isinstance(op, ps.Sub) and mine != [1]):
         return None
     b = _scale_of(node.inputs[mine[0]], value)
-    if b is None or _depends(b, [value, *fixed]):
+    if b is None or depends_on_any(b, [value, *fixed]):
         return None
     others = [x for i, x in enumerate(node.inputs) if i != mine[0]]
     if isinstance(op, ps.Sub):
@@ -386,13 +392,6 @@ def _has_zeros(b) -> bool:
         if np.any(np.asarray(val) == 0):
             return True
     return False
-
-
-def _depends(x, variables) -> bool:
-    from pytensor.graph.traversal import ancestors
-
-    targets = set(variables)
-    return any(v in targets for v in ancestors([x]))
 
 
 def _enumerate(model, local, logp_y, bound):

@@ -9,6 +9,7 @@ from pytensor.compile.sharedvalue import SharedVariable
 from pytensor.graph.basic import Constant, Variable
 from pytensor.graph.replace import graph_replace
 from pytensor.graph.traversal import ancestors, graph_inputs, io_toposort
+from pytensor.scalar import basic as ps
 from pytensor.tensor.basic import Alloc
 from pytensor.tensor.elemwise import CAReduce, DimShuffle, Elemwise
 from pytensor.tensor.math import Sum
@@ -58,13 +59,8 @@ def remove_checks(var: Variable) -> Variable:
     return graph_replace(var, {v: v.owner.inputs[0] for v in checks}, strict=False)
 
 
-def _affine_scalar_ops():
-    from pytensor.scalar import basic as ps
-
-    return (ps.Add, ps.Sub, ps.Mul, ps.Neg, ps.Identity, ps.Cast, ps.TrueDiv)
-
-
-_AFFINE_SCALAR_OPS = _affine_scalar_ops()
+#: Element-wise scalar ops that :func:`lift_gathers` does not move a gather below.
+_AFFINE_SCALAR_OPS = (ps.Add, ps.Sub, ps.Mul, ps.Neg, ps.Identity, ps.Cast, ps.TrueDiv)
 
 
 def lift_gathers(var: Variable) -> Variable:
@@ -273,8 +269,6 @@ def is_entrywise(logp: Variable, var: Variable, point: dict, base=None, n_probe:
 
 
 def _is_linear_elemwise(node, dep) -> bool:
-    from pytensor.scalar import basic as ps
-
     sop = node.op.scalar_op
     if isinstance(sop, ps.Add | ps.Sub | ps.Neg | ps.Identity):
         return True

@@ -150,7 +150,8 @@ class BilinearEstimator:
                 s = seg_of[gid]
                 seg = tlm.segments[s]
                 g = tlm.gaussians[gid]
-                if seg.kind != "block" or seg.members != [gid] or seg.k != g.shape[1]:
+                k = g.shape[0] if gid in term.transposed else g.shape[1]
+                if seg.kind != "block" or seg.members != [gid] or seg.k != k:
                     raise UnsupportedModelError(
                         g.name,
                         "a factor of a matrix factorization needs one K x K covariance block per row",

@@ -216,6 +216,9 @@ class BilinearTerm:
         Terms added to the product that are affine in the other Gaussian
         globals (row and column biases, an intercept, fixed effects): the
         predictor is ``f + affine`` (its ``logp`` and ``placeholder`` are unused).
+    transposed : frozenset of int
+        The factors stored as ``(K, rows)`` (a factor analysis' ``W @ F`` with
+        ``F`` of shape ``(K, n)``): their blocks are columns.
     """
 
     name: str
@@ -226,6 +229,7 @@ class BilinearTerm:
     placeholder: Variable
     logp: Variable
     affine: PredictorTerm | None = None
+    transposed: frozenset = frozenset()
 
 
 @dataclass

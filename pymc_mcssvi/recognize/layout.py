@@ -112,6 +112,7 @@ def build_segments(
     gaussians: list[GaussianGlobal],
     structure: dict[int, str],
     joint_blocks: list[list[int]] | None = None,
+    by_column: set[int] | None = None,
 ) -> list[Segment]:
     """Group globals into segments according to ``structure``.
 
@@ -119,8 +120,10 @@ def build_segments(
     each ``"diag"`` global gets a diagonal segment; ``"block"`` globals that are
     listed together in ``joint_blocks`` (same leading length) share one block
     segment whose rows hold all their effects for one group, and other block
-    globals get their own.
+    globals get their own: one block per row, or per column for the matrices in
+    ``by_column`` (a factor stored ``(K, rows)``).
     """
+    by_column = by_column or set()
     segments: list[Segment] = []
     full = [i for i in range(len(gaussians)) if structure[i] == "full"]
     if full:
@@ -159,6 +162,11 @@ def build_segments(
             seg = Segment("diag", g.size, 1, [i])
             seg.row_of[i] = j
             seg.col_of[i] = np.zeros_like(j)
+        elif i in by_column and len(g.shape) == 2:
+            k, r = g.shape
+            seg = Segment("block", r, k, [i])
+            seg.row_of[i] = j % r
+            seg.col_of[i] = j // r
         else:
             r = g.shape[0] if g.shape else 1
             k = g.size // max(r, 1)

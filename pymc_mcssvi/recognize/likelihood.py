@@ -414,13 +414,18 @@ def bilinear_term(
     on the globals only through the product, elementwise. Returns None
     otherwise (the caller then uses the general path).
     """
+    from pymc_mcssvi.recognize.dense_product import flatten_dense_product
     from pymc_mcssvi.recognize.ir import BilinearTerm
 
+    if logp.ndim == 2:
+        flat = flatten_dense_product(logp, {v: gshapes[v] for v in gvalues})
+        if flat is not None:
+            logp = flat
     found = find_bilinear(logp, gvalues, gshapes)
     if found is None:
         return None
     eta, fa, fb = found
-    rows = []
+    rows, transposed = [], set()
     for form in (fa, fb):
         if form.offset is not None or len(form.terms) != 1:
             return None
@@ -430,20 +435,21 @@ def bilinear_term(
         # einsum and batched matmul spellings read it as (n, 1, K) or (n, K, 1).
         if len(shape) != 2 or t.vals is not None or t.ndim not in (2, 3):
             return None
-        K = shape[1]
         try:
             cols = np.asarray(t.cols.eval(mode="FAST_COMPILE"))
         except Exception:
             return None
-        if cols.ndim != t.ndim + 1 or cols.shape[-1] != 1 or np.prod(cols.shape[1:]) != K:
+        if cols.ndim != t.ndim + 1 or cols.shape[-1] != 1:
             return None
         if cols.ndim == 4 and 1 not in cols.shape[1:3]:
             return None
-        cols = cols.reshape(cols.shape[0], K)
-        if not np.array_equal(cols - cols[:, :1], np.broadcast_to(np.arange(K), cols.shape)):
+        by_column = _gathered_by_column(cols, shape)
+        if by_column is None:
             return None
         first = t.cols.reshape((t.cols.shape[0], -1))[:, 0]
-        rows.append((t.source, first // K))
+        if by_column:
+            transposed.add(t.source)
+        rows.append((t.source, first if by_column else first // shape[1]))
     (left, lrows), (right, rrows) = rows
     if eta.ndim > 1 and not all(eta.type.broadcastable[1:]):
         return None
@@ -465,7 +471,30 @@ def bilinear_term(
             replaced, placeholder, lin.shape_of(eta)[:1], point
         ):
             return None
-    return BilinearTerm(name, left, right, lrows, rrows, placeholder, stable_logp(replaced), affine)
+    return BilinearTerm(
+        name,
+        left,
+        right,
+        lrows,
+        rrows,
+        placeholder,
+        stable_logp(replaced),
+        affine,
+        frozenset(transposed),
+    )
+
+
+def _gathered_by_column(cols, shape) -> bool | None:
+    """Whether the flat positions ``cols`` (one set of K per observation) read a row
+    of a ``(rows, K)`` global (False: ``U[s]``), a column of a ``(K, rows)`` one
+    (True: ``F.T[s]``), or neither (None)."""
+    for by_column, K, step in ((False, shape[1], 1), (True, shape[0], shape[1])):
+        if np.prod(cols.shape[1:]) != K:
+            continue
+        flat = cols.reshape(cols.shape[0], K)
+        if np.array_equal(flat - flat[:, :1], np.broadcast_to(step * np.arange(K), flat.shape)):
+            return by_column
+    return None
 
 
 def _flat_addends(v):

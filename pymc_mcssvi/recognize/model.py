@@ -141,6 +141,7 @@ def _recognize(model, cov, bound, inner, n_inner) -> TwoLevelModel:
 
     minibatch = False
     bilinear_sources: set[int] = set()
+    by_column: set[int] = set()  # factors stored (K, rows): blocks are columns
     bilinear_terms = []
     for obs in model.observed_RVs:
         op, _ = base_op(obs)
@@ -191,6 +192,7 @@ def _recognize(model, cov, bound, inner, n_inner) -> TwoLevelModel:
             if bil is not None:
                 bilinear_terms.append(bil)
                 bilinear_sources.update({bil.left, bil.right})
+                by_column.update(bil.transposed)
                 forms[obs.name] = ("bilinear" if bil.affine is None else BILINEAR_PLUS) + suffix
                 continue
             found = find_bilinear(logp, gvalues, gshapes)
@@ -223,7 +225,7 @@ def _recognize(model, cov, bound, inner, n_inner) -> TwoLevelModel:
     structure = resolve_structure(
         gaussians, cov, joint, row_blocks=bilinear_sources, crossed=crossed
     )
-    segments = build_segments(gaussians, structure, joint)
+    segments = build_segments(gaussians, structure, joint, by_column=by_column)
     tlm = TwoLevelModel(
         model=model,
         gaussians=gaussians,

@@ -142,3 +142,102 @@ def test_offline_loaders():
     reu = load_reuters_counts()
     assert reu["n_rows"] == 395 and reu["n_cols"] == 2000
     assert reu["train"][2].min() >= 1  # nonzero counts only
+
+
+DENSE_SPELLINGS = {
+    "dot": lambda U, V: pm.math.dot(U, V.T),
+    "matmul": lambda U, V: U @ V.T,
+    "broadcast-sum": lambda U, V: (U[:, None, :] * V[None, :, :]).sum(-1),
+    "einsum": lambda U, V: pt.einsum("rk,ck->rc", U, V),
+}
+
+
+@pytest.mark.parametrize("spelling", sorted(DENSE_SPELLINGS))
+def test_dense_product_of_a_fully_observed_matrix_is_the_factorization(spelling, rng):
+    """``U @ V.T + row + col`` over an (R, C) observed matrix (probabilistic PCA's
+    spelling) fits exactly as the gathered factorization of its entries: the same
+    bound at every iteration. It was Monte Carlo + autodiff over all coordinates."""
+    y = rng.integers(0, 2, (R, C))
+    s, d = np.repeat(np.arange(R), C), np.tile(np.arange(C), R)
+
+    def model(dense):
+        with pm.Model() as m:
+            U = pm.Normal("U", 0, 1, shape=(R, K))
+            V = pm.Normal("V", 0, 1, shape=(C, K))
+            row = pm.Normal("row", 0, 1, shape=R)
+            col = pm.Normal("col", 0, 1, shape=C)
+            if dense:
+                eta = DENSE_SPELLINGS[spelling](U, V) + row[:, None] + col
+                pm.Bernoulli("y", logit_p=eta, observed=y)
+            else:
+                eta = (U[s] * V[d]).sum(-1) + row[s] + col[d]
+                pm.Bernoulli("y", logit_p=eta, observed=y.ravel())
+        return m
+
+    dense, gathered = model(True), model(False)
+    assert pymc_mcssvi.describe(dense).predictor("y") == "bilinear + affine"
+    hists = []
+    for m in (dense, gathered):
+        with m:
+            approx = pm.fit(n=6, method="hmcssvi", random_seed=3, progressbar=False)
+        hists.append(np.asarray(approx.hist))
+    np.testing.assert_allclose(hists[0], hists[1], rtol=1e-9)
+
+
+def test_dense_product_inside_a_softmax_stays_general(rng):
+    """A product read across its columns (a softmax over them) is not entrywise."""
+    y = rng.integers(0, C, R)
+    with pm.Model() as m:
+        U = pm.Normal("U", 0, 1, shape=(R, K))
+        V = pm.Normal("V", 0, 1, shape=(C, K))
+        pm.Categorical("y", p=pm.math.softmax(U @ V.T, axis=-1), observed=y)
+    assert pymc_mcssvi.describe(m).predictor("y").startswith("general")
+
+
+def _factor_models(rng):
+    """The same Gaussian factorization of an (R, C) matrix with its column factor
+    stored (C, K) and read by a gather, and stored (K, C) in the dense ``U @ F``
+    spelling of PyMC's factor-analysis example."""
+    y = rng.normal(size=(R, C))
+    s, d = np.repeat(np.arange(R), C), np.tile(np.arange(C), R)
+    with pm.Model() as gathered:
+        U = pm.Normal("U", 0, 1, shape=(R, K))
+        V = pm.Normal("V", 0, 1, shape=(C, K))
+        pm.Normal("y", mu=(U[s] * V[d]).sum(-1), sigma=0.7, observed=y.ravel())
+    with pm.Model() as dense:
+        U = pm.Normal("U", 0, 1, shape=(R, K))
+        F = pm.Normal("F", 0, 1, shape=(K, C))
+        pm.Normal("y", mu=U @ F, sigma=0.7, observed=y)
+    return gathered, dense
+
+
+def test_factor_stored_by_columns_has_one_block_per_column(rng):
+    gathered, dense = _factor_models(rng)
+    desc = pymc_mcssvi.describe(dense)
+    assert desc.predictor("y") == "bilinear"
+    assert desc.structure("F") == f"block {C} x ({K} x {K})"
+    # the same q (F's block for column c is V's block for row c): the same bound
+    means = [rng.normal(size=(R, K)), rng.normal(size=(C, K))]
+    factors = [
+        np.linalg.cholesky(np.eye(K) + 0.3 * np.ones((K, K)))[None] * rng.uniform(0.5, 2, (n, 1, 1))
+        for n in (R, C)
+    ]
+    np.testing.assert_allclose(
+        _bound_value(dense, means, factors), _bound_value(gathered, means, factors), rtol=1e-12
+    )
+
+
+def test_factor_stored_by_columns_reads_back_in_its_own_shape(rng):
+    """The draws of ``F`` (K, C) are q's column blocks put back in place: U @ F matches
+    the gathered model's U @ V.T at convergence (the product is free of the factors'
+    rotation)."""
+    products = []
+    for m, name in zip(_factor_models(rng), ("V", "F"), strict=True):
+        with m:
+            approx = pm.fit(method="hmcssvi", random_seed=2, progressbar=False, tol=1e-10)
+        post = approx.sample(400, random_seed=0).posterior
+        U, second = post["U"].values[0], post[name].values[0]
+        assert second.shape[1:] == ((C, K) if name == "V" else (K, C))
+        right = second if name == "F" else second.transpose(0, 2, 1)
+        products.append((U @ right).mean(0))
+    np.testing.assert_allclose(products[0], products[1], atol=0.1)

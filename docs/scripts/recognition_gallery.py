@@ -199,7 +199,9 @@ GALLERY = [
         "estimator: the predictor reads `bilinear + affine`, and the added variables\n"
         "share one covariance block as in a GLMM. Anything else done to the product\n"
         "(scaling it by another variable, say) sends the likelihood to the general path,\n"
-        "`general (bilinear + other terms)`.",
+        "`general (bilinear + other terms)`. A fully observed matrix written densely,\n"
+        "`pm.math.dot(Z, W.T) + mu` (probabilistic PCA) or `W @ F` with `F` stored\n"
+        "`(K, n)` (factor analysis), is the same factorization of its entries.",
     ),
     (
         gallery_decay,

@@ -14,6 +14,15 @@ products, one per coordinate, except for the matrices whose rows the terms never
 couple (:func:`~pymc_mcssvi.recognize.separable.separable_rows`), which take one
 product per column ("colored" directions: coordinate ``k`` of every row at once).
 
+When every global enters the terms through integer gathers (``theta[person]``,
+``exp(log_a)[item]`` once the gathers are moved down to the leaves) and each
+observation's log density depends on its own gathered entries only (an item
+response model), the Hessian is a sum of one small ``J x J`` matrix per
+observation (``J`` gathered inputs): :class:`PerObservation` forms those from
+second derivatives with respect to the ``J`` inputs and adds them into q's blocks,
+instead of one Hessian-vector product per coordinate of the globals whose rows
+are coupled. Same draws, same numbers.
+
 Draws are either fresh each iteration (unbiased, the paper's estimator) or
 *fixed* for the whole fit (a sample-average approximation: the bound becomes a
 deterministic function of q, so the adaptive step size can compare values).
@@ -24,10 +33,20 @@ from __future__ import annotations
 
 import numpy as np
 import pytensor.tensor as pt
-from pytensor.graph.replace import vectorize_graph
+from pytensor.graph.basic import Constant
+from pytensor.graph.replace import graph_replace, vectorize_graph
+from pytensor.graph.traversal import graph_inputs, io_toposort
 
 from pymc_mcssvi.families.gaussian import sample
+from pymc_mcssvi.recognize.graph import (
+    depends_on_any,
+    evaluate_static,
+    gather_index,
+    is_separable,
+    lift_gathers,
+)
 from pymc_mcssvi.recognize.separable import flat_offsets, hessian_colors, read_flat
+from pymc_mcssvi.recognize.stabilize import stable_logp
 
 __all__ = ["GeneralEstimator", "flat_indices"]
 
@@ -97,7 +116,10 @@ class GeneralEstimator:
         if not self.active:
             return
         w = pt.vector("w_flat", shape=(self.dim,))
-        total = read_flat(pt.sum([pt.sum(t.logp) for t in tlm.general_terms]), w, tlm.gaussians)
+        # stable forms before autodiff: the derivative of log(1 - sigmoid(x)) is 0 / 0
+        # where sigmoid(x) rounds to 1
+        total = pt.sum([pt.sum(stable_logp(t.logp)) for t in tlm.general_terms])
+        total = read_flat(total, w, tlm.gaussians)
         grad = pt.grad(total, w)
         # one Hessian-vector product per color: coordinate k of every row of the
         # row-separable globals at once, and one per coordinate of the others
@@ -111,6 +133,11 @@ class GeneralEstimator:
         hess = vectorize_graph(hvp, {c: colors})  # (C, dim)
         self._w = w
         self._graphs = (total, grad, hess)
+        self.per_observation = PerObservation.build(tlm, self.offsets, self.maps)
+        if self.per_observation is not None and self.per_observation.cost >= n_colors * sum(
+            int(np.prod(t.logp.type.shape or (1,))) for t in tlm.general_terms
+        ):
+            self.per_observation = None  # the colored products are cheaper
 
     def _eps(self, seg):
         shape = (self.n_draws, seg.rows, seg.k)
@@ -128,6 +155,8 @@ class GeneralEstimator:
         for seg, st, idx in zip(self.tlm.segments, states, self.maps, strict=True):
             draws = sample(st, parameterization, self._eps(seg))
             W = pt.set_subtensor(W[:, idx.reshape(-1)], draws.reshape((self.n_draws, seg.dim)))
+        if need_hessian and self.per_observation is not None:
+            return self.per_observation.expectations(W, self.maps)
         graphs = self._graphs if need_hessian else self._graphs[:2]
         vals = vectorize_graph(list(graphs), {self._w: W})
         T = pt.mean(vals[0])
@@ -163,3 +192,128 @@ def _blocks(HV, idx, color_of):
     by_a = HV[color[:, :, None], idx[:, None, :]]  # HV[c(a), b]
     use_b = (rb < 0) | ((ra >= 0) & pt.eq(ra, rb))
     return pt.switch(use_b, by_b, pt.switch(ra < 0, by_a, 0.0))
+
+
+class PerObservation:
+    """The general terms as functions of per-observation gathered inputs.
+
+    Each term's log density, with its gathers moved down to the leaves
+    (:func:`~pymc_mcssvi.recognize.graph.lift_gathers`), reads every Gaussian
+    global only as ``x[idx]`` (``x`` a vector), and entry ``n`` depends on entry
+    ``n`` of each such input only. Each input is replaced by a placeholder vector;
+    its entries are flat coordinates of the globals (``positions``). With the
+    draws ``W`` of all coordinates, the inputs are ``W[:, positions]``; the
+    gradient adds each input's derivative at its coordinates and the Hessian adds
+    each pair's mixed second derivative into q's blocks where both coordinates lie
+    in the same block row.
+
+    Use :meth:`build`, which returns None when a term does not have that form.
+    """
+
+    def __init__(self, total, grads, second, positions, pairs):
+        self.total, self.grads, self.second = total, grads, second
+        self.positions, self.pairs = positions, pairs
+        self.placeholders = None
+        self.cost = sum(p.size for p in positions) + sum(positions[j].size for j, _ in pairs)
+
+    @classmethod
+    def build(cls, tlm, offsets, maps):
+        values = {g.value: (i, g) for i, g in enumerate(tlm.gaussians)}
+        total, holders, positions, term_of = 0.0, [], [], []
+        for t, term in enumerate(tlm.general_terms):
+            logp = lift_gathers(term.logp, through_affine=True)
+            repl = {}
+            try:
+                for node in io_toposort(list(graph_inputs([logp])), [logp]):
+                    for v in node.inputs:
+                        if v not in values:
+                            continue
+                        gid, g = values[v]
+                        idx = gather_index(node)
+                        if idx is None or len(g.shape) != 1 or node.inputs[0] is not v:
+                            return None
+                        if not all(isinstance(i, Constant) for i in graph_inputs([idx])):
+                            # pm.Data (set_data) or pm.Minibatch indices change: the
+                            # positions below are fixed
+                            return None
+                        out = node.outputs[0]
+                        if out in repl:
+                            continue
+                        (idx_val,) = evaluate_static([idx])
+                        idx_val = np.asarray(idx_val, dtype="int64") % g.shape[0]
+                        ph = pt.vector(f"{g.name}_gathered", shape=(idx_val.size,))
+                        repl[out] = ph
+                        holders.append(ph)
+                        positions.append(offsets[gid] + idx_val)
+                        term_of.append(t)
+            except Exception:
+                return None
+            if not repl:
+                return None
+            flat = graph_replace(logp, repl, strict=False)
+            if depends_on_any(flat, values):
+                return None
+            if not all(is_separable(flat, ph) for ph in repl.values()):
+                return None
+            total = total + pt.sum(stable_logp(flat))
+        grads = pt.grad(total, holders)
+        n = len(holders)
+        pairs = [(j, k) for j in range(n) for k in range(j, n) if term_of[j] == term_of[k]]
+        # entrywise: the derivative of sum_n g_j[n] along input k is d2 l_n / dp_j dp_k
+        second = [
+            pt.grad(pt.sum(grads[j]), holders[k], disconnected_inputs="ignore") for j, k in pairs
+        ]
+        out = cls(total, grads, second, positions, pairs)
+        out.placeholders = holders
+        out._scatter = out._block_scatter(maps)
+        return out
+
+    def _block_scatter(self, maps):
+        """Per segment ``(target, source)``: flat positions in its ``(R * K * K)``
+        blocks and the positions in the concatenated second derivatives."""
+        dim = sum(m.size for m in maps)
+        seg = np.full(dim, -1)
+        row = np.zeros(dim, dtype="int64")
+        col = np.zeros(dim, dtype="int64")
+        for s, idx in enumerate(maps):
+            R, K = idx.shape
+            seg[idx] = s
+            row[idx] = np.arange(R)[:, None]
+            col[idx] = np.arange(K)[None, :]
+        starts = np.cumsum([0] + [self.positions[j].size for j, _ in self.pairs])
+        out = []
+        for s, idx in enumerate(maps):
+            K = idx.shape[1]
+            targets, sources = [], []
+            for p, (j, k) in enumerate(self.pairs):
+                a, b = self.positions[j], self.positions[k]
+                same = (seg[a] == s) & (seg[b] == s) & (row[a] == row[b])
+                n = np.flatnonzero(same)
+                base = row[a[n]] * K * K
+                targets.append(base + col[a[n]] * K + col[b[n]])
+                sources.append(starts[p] + n)
+                if j != k:
+                    targets.append(base + col[b[n]] * K + col[a[n]])
+                    sources.append(starts[p] + n)
+            out.append((np.concatenate(targets), np.concatenate(sources)))
+        return out
+
+    def expectations(self, W, maps):
+        """``(T, grads, hessians)`` as :meth:`GeneralEstimator.expectations`, for the
+        draws ``W`` (``(S, dim)``) of all the coordinates."""
+        repl = {ph: W[:, pos] for ph, pos in zip(self.placeholders, self.positions, strict=True)}
+        vals = vectorize_graph([self.total, *self.grads, *self.second], repl)
+        n = len(self.grads)
+        T = pt.mean(vals[0])
+        g = pt.zeros((W.shape[1],))
+        for pos, gj in zip(self.positions, vals[1 : 1 + n], strict=True):
+            g = pt.inc_subtensor(g[pos], pt.mean(gj, axis=0))
+        d2 = pt.concatenate([pt.mean(v, axis=0) for v in vals[1 + n :]])
+        hess = []
+        for idx, (target, source) in zip(maps, self._scatter, strict=True):
+            R, K = idx.shape
+            blocks = pt.zeros((R * K * K,))
+            if target.size:
+                blocks = pt.inc_subtensor(blocks[target], d2[source])
+            hess.append(blocks.reshape((R, K, K)))
+        return T, [g[idx] for idx in maps], hess

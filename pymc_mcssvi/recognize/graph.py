@@ -63,7 +63,19 @@ def remove_checks(var: Variable) -> Variable:
 _AFFINE_SCALAR_OPS = (ps.Add, ps.Sub, ps.Mul, ps.Neg, ps.Identity, ps.Cast, ps.TrueDiv)
 
 
-def lift_gathers(var: Variable) -> Variable:
+def gather_index(node):
+    """The index of ``x[idx]`` (an integer vector along the leading axis only), else None."""
+    from pytensor.tensor.subtensor import AdvancedSubtensor
+
+    # ``idx_list == (0,)``: the one index input, on the leading axis
+    if isinstance(node.op, AdvancedSubtensor) and tuple(node.op.idx_list) == (0,):
+        idx = node.inputs[1]
+        if idx.ndim == 1 and str(idx.dtype).startswith(("int", "uint")):
+            return idx
+    return None
+
+
+def lift_gathers(var: Variable, through_affine: bool = False) -> Variable:
     """``var`` with integer gathers moved below element-wise operations:
     ``f(a, b)[idx]`` becomes ``f(a[idx], b[idx])`` (entries broadcast along the
     gathered axis stay as they are), repeatedly.
@@ -72,7 +84,9 @@ def lift_gathers(var: Variable) -> Variable:
     ``invlogit(mu + sigma * z)[group]``; lifted, the predictor is the gather GLM's
     ``(mu + sigma * z)[group]``. Gathers stop at affine operations (sums,
     products, casts), which the linearizer reads through. The value is unchanged
-    (each entry is the same function of the same inputs).
+    (each entry is the same function of the same inputs). With ``through_affine``
+    the gathers move below affine operations too, down to the leaves: the general
+    estimator's per-observation form reads every global through a gather.
 
     Examples
     --------
@@ -84,15 +98,6 @@ def lift_gathers(var: Variable) -> Variable:
     >>> bool(np.allclose(out.eval({z: [0.1, 0.2, 0.3]}), pt.sigmoid(1.0 + 2.0 * z)[g].eval({z: [0.1, 0.2, 0.3]})))
     True
     """
-    from pytensor.tensor.subtensor import AdvancedSubtensor
-
-    def gather_index(node):
-        # x[idx] along the leading axis only (``idx_list == (0,)``: the one index input)
-        if isinstance(node.op, AdvancedSubtensor) and tuple(node.op.idx_list) == (0,):
-            idx = node.inputs[1]
-            if idx.ndim == 1 and str(idx.dtype).startswith(("int", "uint")):
-                return idx
-        return None
 
     def push(v):
         """``v`` with its gather moved below the element-wise op it reads, recursively."""
@@ -102,7 +107,7 @@ def lift_gathers(var: Variable) -> Variable:
         x, rest = node.inputs[0], node.inputs[1:]
         if x.owner is None or not isinstance(x.owner.op, Elemwise) or len(x.owner.outputs) != 1:
             return v
-        if isinstance(x.owner.op.scalar_op, _AFFINE_SCALAR_OPS):
+        if not through_affine and isinstance(x.owner.op.scalar_op, _AFFINE_SCALAR_OPS):
             return v  # a gather of an affine expression is read as it is
         args = [a if a.type.broadcastable[0] else push(node.op(a, *rest)) for a in x.owner.inputs]
         return x.owner.op(*args)

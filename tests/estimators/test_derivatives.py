@@ -216,3 +216,64 @@ def test_colored_hessian_of_row_separable_general_term(rng, cov):
                     hess[s][r, :, i], (gp - gm)[r] / (2 * h), rtol=1e-5, atol=1e-6
                 )
     assert any(np.abs(H).max() > 0.1 for H in hess)
+
+
+def _gathered_models(rng):
+    P, n_items = 12, 4
+    pp, ii = (a.ravel() for a in np.meshgrid(np.arange(P), np.arange(n_items), indexing="ij"))
+    with pm.Model() as two_pl:  # item response: crossed gathers, one rows set colored
+        th = pm.Normal("theta", 0, 1, shape=P)
+        b = pm.Normal("b", 0, 2, shape=n_items)
+        log_a = pm.Normal("log_a", 0, 0.5, shape=n_items)
+        a = pm.Deterministic("a", pm.math.exp(log_a))
+        pm.Bernoulli("y", logit_p=a[ii] * (th[pp] - b[ii]), observed=rng.integers(0, 2, pp.size))
+    w, lo = rng.integers(0, P, 30), rng.integers(0, P, 30)
+    with pm.Model() as paired:  # the same global read twice per observation
+        s = pm.Normal("s", 0, 1, shape=P)
+        eta = pm.math.exp(s[w]) - pm.math.exp(s[lo])
+        pm.Bernoulli("y", logit_p=eta, observed=rng.integers(0, 2, 30))
+        # a second general term, of another length
+        u, v = rng.integers(0, P, 9), rng.integers(0, P, 9)
+        mu = pm.math.exp(0.5 * s[u]) + pm.math.exp(-s[v])
+        pm.Poisson("z", mu=mu, observed=rng.poisson(2.0, 9))
+    g, t = np.repeat(np.arange(5), 6), np.tile(np.linspace(0, 3, 6), 5)
+    with pm.Model() as curves:  # per-group effects, joint rows in the block layout
+        amp = pm.Normal("amp", 1, 1, shape=5)
+        rate = pm.Normal("rate", 0.5, 0.3, shape=5)
+        pm.Normal("y", amp[g] * pm.math.exp(-rate[g] * t), 0.2, observed=rng.normal(size=30))
+    return {"two_pl": two_pl, "paired": paired, "curves": curves}
+
+
+@pytest.mark.parametrize("cov", ["full", "block", "diag"])
+@pytest.mark.parametrize("name", ["two_pl", "paired", "curves"])
+def test_per_observation_hessian_is_the_colored_one(rng, name, cov):
+    """The per-observation form of a general term (every global read through gathers)
+    gives the colored Hessian-vector products' ``T``, ``g`` and ``H`` for the same
+    draws, in every layout (blocks that hold both coordinates of a pair, and none).
+    Those are exact (``test_colored_hessian_of_row_separable_general_term``)."""
+    from pymc.pytensorf import compile
+
+    from pymc_mcssvi.estimators.general import GeneralEstimator, PerObservation
+    from pymc_mcssvi.recognize import recognize
+
+    tlm = recognize(_gathered_models(rng)[name], cov=cov)
+    assert tlm.observed["y"] == "general"
+    est = GeneralEstimator(tlm, n_draws=8)
+    per_obs = PerObservation.build(tlm, est.offsets, est.maps)
+    assert per_obs is not None
+    states = []
+    for seg in tlm.segments:
+        A = np.tril(rng.normal(size=(seg.rows, seg.k, seg.k))) * 0.2 + np.eye(seg.k)
+        states.append(GaussianBlocks(rng.normal(size=(seg.rows, seg.k)) * 0.3, A))
+    est.per_observation = per_obs
+    T1, g1, H1 = est.expectations(states, "covariance")
+    est.per_observation = None
+    T0, g0, H0 = est.expectations(states, "covariance")
+    out = compile([], [T1, *g1, *H1, T0, *g0, *H0])()
+    # finite where a draw puts sigmoid(x) at 1 in float64 (log(1 - sigmoid(x)) is
+    # differentiated in its stable form; the colored products gave NaN on `paired`)
+    assert all(np.isfinite(o).all() for o in out)
+    n = len(out) // 2
+    for mine, colored in zip(out[:n], out[n:], strict=True):
+        np.testing.assert_allclose(mine, colored, rtol=1e-9, atol=1e-11)
+    assert max(np.abs(H).max() for H in out[1 + len(g0) : n]) > 0.1

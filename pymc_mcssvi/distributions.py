@@ -9,7 +9,8 @@ r"""Distributions shipped with the plugin.
 the paper's :math:`\mathrm{Rayl}(w \mid \tau^2)` with :math:`\tau = \sigma`. Its
 natural parameter is :math:`-1 / (2\sigma^2)` and its expectation parameter
 :math:`E[w^2] = 2\sigma^2`. ``pm.Weibull(alpha=2, beta=b)`` is the same
-distribution with :math:`\sigma = b / \sqrt 2` and is recognized as such.
+distribution with :math:`\sigma = b / \sqrt 2`, but only a :class:`Rayleigh`
+variable gets the Rayleigh q (the paper's); a Weibull prior is a hyperparameter.
 """
 
 from __future__ import annotations

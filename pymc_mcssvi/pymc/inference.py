@@ -1131,6 +1131,10 @@ class StructuredVI(Inference):
                     # compiling it took PyTensor's rewriting > 5 minutes on a non-centered
                     # observation-level effect; the draws come from the view
                     work = np.inf
+                if self.tlm.rayleighs:
+                    # the re-fit moves q(w | h) only: a Rayleigh global's value would be
+                    # an input it is never given (MissingInputError in approx.sample)
+                    work = np.inf
                 self._conditional_globals = ConditionalGlobals(
                     k, self.model, self.approx.groups[0], work
                 )

@@ -49,6 +49,7 @@ from pymc_mcssvi.recognize.likelihood import (
 )
 from pymc_mcssvi.recognize.roles import assign_roles, base_op, dist_params, loc_and_others
 from pymc_mcssvi.recognize.separable import hessian_colors, separable_rows
+from pymc_mcssvi.recognize.whiten import whitened_mvnormal
 from pymc_mcssvi.recognize.zerosum import zerosum_as_linear
 
 __all__ = ["MAX_GENERAL_DIM", "recognize"]
@@ -178,6 +179,16 @@ def _recognize(model, cov, bound, inner, n_inner) -> TwoLevelModel:
             forms[obs.name] = "constant (no Gaussian global)" + suffix
             continue
         check_gather_indices(obs.name, logp, gvalues)
+        white = None
+        if multivariate and obs.name not in local_of and scaling[obs.name] == "1":
+            white = whitened_mvnormal(model, obs, gvalues)
+        if white is not None:
+            term = likelihood_term(obs.name, white[0], gvalues, gshapes, point)
+            if term is not None:
+                predictor_terms.append(term)
+                constant_terms.append(ConstantTerm(f"normalizer of {obs.name}", white[1]))
+                forms[obs.name] = form_name(term) + " (MvNormal, whitened)" + suffix
+                continue
         if multivariate:
             # not elementwise in a predictor: its log density over the support (a
             # Multinomial's counts, an MvNormal outcome) by Monte Carlo + autodiff

@@ -7,8 +7,9 @@ Order of decisions (ARCHITECTURE.md §1, §6):
    exactly one observed variable, used by it elementwise, whose prior is
    univariate (so conditionally independent across entries given the globals)
    and is not read by any other prior;
-2. **Rayleigh globals** -- ``pymc_mcssvi.Rayleigh`` or ``pm.Weibull(alpha=2)``
-   whose scale involves no other latent of the model except hyperparameters;
+2. **Rayleigh globals** -- ``pymc_mcssvi.Rayleigh`` variables (not
+   ``pm.Weibull(alpha=2)``, a hyperparameter) whose scale involves no other latent
+   of the model except hyperparameters;
 3. **Gaussian globals** -- the remaining untransformed ``pm.Normal`` /
    ``pm.MvNormal`` variables and ``pm.ZeroSumNormal`` effects (in their
    unconstrained space, see :mod:`~pymc_mcssvi.recognize.zerosum`), and
@@ -31,7 +32,6 @@ from pymc.distributions.continuous import (
     AsymmetricLaplaceRV,
     MoyalRV,
     SkewStudentTRV,
-    WeibullBetaRV,
 )
 from pymc.distributions.distribution import SymbolicRandomVariable
 from pymc.distributions.multivariate import CARRV, ICARRV, MvNormalRV, ZeroSumNormalRV
@@ -138,13 +138,18 @@ def _constant(v):
 
 
 def rayleigh_scale(rv):
-    """The Rayleigh scale of ``rv`` (a graph in RVs) or None if ``rv`` is not Rayleigh."""
-    op, base = base_op(rv)
-    params = dist_params(rv)
+    """The Rayleigh scale of ``rv`` (a graph in RVs) or None if ``rv`` is not a
+    :class:`~pymc_mcssvi.Rayleigh` variable.
+
+    ``pm.Weibull(alpha=2)`` is the same distribution but not a Rayleigh global: a
+    Rayleigh q has one parameter (its sd is 0.52 times its mean), far too wide for a
+    scale the data pin down (a residual sd with a ``Weibull(2, 1)`` prior came out
+    37 NUTS sds too wide, 53 sds off), so users' Weibull priors are hyperparameters.
+    The paper's GME asks for the Rayleigh q by name (``pymc_mcssvi.Rayleigh``).
+    """
+    op, _ = base_op(rv)
     if isinstance(op, RayleighRV):
-        return params[0]
-    if isinstance(op, WeibullBetaRV) and _constant(params[0]) == 2.0:
-        return params[1] / np.sqrt(2.0)
+        return dist_params(rv)[0]
     return None
 
 
@@ -515,8 +520,20 @@ def assign_roles(model) -> Roles:
         marginal_gp = [
             obs.name for obs in model.observed_RVs if isinstance(base_op(obs)[0], MvNormalRV)
         ]
+        transformed = [
+            rv.name
+            for rv in free
+            if isinstance(base_op(rv)[0], NormalRV) and model.rvs_to_transforms.get(rv) is not None
+        ]
         hint = (
-            f"{marginal_gp[0]!r} is an MvNormal with every latent integrated out (as "
+            f"{', '.join(map(repr, transformed))} "
+            f"{'is a pm.Normal' if len(transformed) == 1 else 'are pm.Normals'} with a "
+            "`transform=` (e.g. ordered), which the structured q cannot follow: drop the "
+            "transform (order mixture components by their weights' or means' prior "
+            "locations instead, or build the means as mu0 + cumsum of positive "
+            "increments), "
+            if transformed
+            else f"{marginal_gp[0]!r} is an MvNormal with every latent integrated out (as "
             "pm.gp.Marginal writes a GP): write the GP with pm.gp.Latent (or pm.gp.HSGP) "
             "and a pm.Normal likelihood, so that its values are the Gaussian global, "
             if marginal_gp

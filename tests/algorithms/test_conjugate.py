@@ -104,9 +104,10 @@ def test_all_algorithms_reach_the_exact_posterior(conjugate, cls):
 
 
 def test_multivariate_normal_outcome_is_exact_in_one_step():
-    """An MvNormal outcome (a multivariate likelihood: Monte Carlo + autodiff, with
-    antithetic fixed draws exact for a quadratic) lands on the closed-form posterior of
-    its mean and regression coefficients in one step with rho = 1."""
+    """An MvNormal outcome (read as whitened residuals ``L^-1 (y - mu)``, an affine
+    predictor with a Gaussian likelihood; it was Monte Carlo + autodiff, also exact for
+    a quadratic with antithetic draws) lands on the closed-form posterior of its mean
+    and regression coefficients in one step with rho = 1."""
     rng = np.random.default_rng(31)
     n, x = 40, np.linspace(-1, 1, 40)
     Sigma = np.array([[1.0, 0.6], [0.6, 0.8]])
@@ -117,7 +118,7 @@ def test_multivariate_normal_outcome_is_exact_in_one_step():
         pm.MvNormal("Y", a + x[:, None] * b, cov=Sigma, observed=Y)
         inf = pymc_mcssvi.MCSSVI(schedule=1.0, start_sigma=3.0)
         inf.fit(n=2, progressbar=False)
-    assert inf.tlm.observed["Y"] == "general (MvNormalRV: multivariate)"
+    assert inf.tlm.observed["Y"] == "dense affine (MvNormal, whitened)"
     # exact posterior of (a, b): y_i = [I, x_i I] (a, b) + noise
     Si = np.linalg.inv(Sigma)
     P = np.diag(np.r_[np.full(2, 1 / 4.0), np.ones(2)])

@@ -16,6 +16,18 @@ def test_no_gaussian_global():
             pm.fit(method="hmcssvi")
 
 
+def test_transformed_normal_is_named_when_no_gaussian_global_is_left():
+    """Ordered mixture means (``transform=ordered``) are hyperparameters; with nothing
+    else Gaussian the error named only "Normal priors", which they already had."""
+    y = np.r_[np.random.default_rng(0).normal(-2, 1, 40), np.random.default_rng(1).normal(2, 1, 40)]
+    with pm.Model():
+        mu = pm.Normal("mu", 0, 5, shape=2, transform=pm.distributions.transforms.ordered)
+        w = pm.Dirichlet("w", np.ones(2))
+        pm.NormalMixture("y", w=w, mu=mu, sigma=1.0, observed=y)
+        with pytest.raises(UnsupportedModelError, match="'mu' is a pm.Normal with a `transform=`"):
+            pm.fit(method="hmcssvi")
+
+
 @pytest.mark.parametrize("kind", ["random_walk", "ar"])
 def test_latent_time_series_is_a_named_error(kind):
     """A GaussianRandomWalk or AR latent would be left to the mean-field hyperparameters

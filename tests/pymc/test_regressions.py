@@ -605,3 +605,20 @@ def test_car_with_a_sparse_adjacency_matrix_fits_as_the_dense_one():
             pm.Normal("y", phi, 0.5, observed=y)
             means.append(pm.fit(method="hmcssvi", progressbar=False, random_seed=1).mean.eval())
     np.testing.assert_allclose(means[1], means[0], rtol=1e-12, atol=1e-12)
+
+
+def test_rayleigh_group_scale_draws():
+    """A Rayleigh global as the scale of varying intercepts, Gaussian likelihood:
+    ``approx.sample`` re-fitted q(w | h) per draw without the Rayleigh global's value
+    (``MissingInputError: ... su_log__``); the draws now come from the view."""
+    rng = np.random.default_rng(461)
+    g = np.repeat(np.arange(15), 10)
+    y = 1.0 + rng.normal(0, 0.5, 15)[g] + rng.normal(0, 1, g.size)
+    with pm.Model():
+        a = pm.Normal("a", 0, 5)
+        su = pymc_mcssvi.Rayleigh("su", sigma=0.7)
+        u = pm.Normal("u", 0, su, shape=15)
+        pm.Normal("y", a + u[g], pm.HalfNormal("s", 2), observed=y)
+        approx = pm.fit(method="hmcssvi", random_seed=1, progressbar=False)
+    post = approx.sample(200, random_seed=0).posterior
+    assert all(np.isfinite(post[v].values).all() for v in ("a", "su", "u", "s"))

@@ -137,7 +137,7 @@ ZOO: dict[str, dict] = {
     # a multivariate likelihood: its log density over the support by Monte Carlo + autodiff
     "multivariate_observed": dict(
         roles={"mu": GAUSS},
-        predictor={"Y": "general (MvNormalRV: multivariate)"},
+        predictor={"Y": "dense affine (MvNormal, whitened)"},
         q={"mu": "full (2 x 2)"},
     ),
     # two predictors (location and log scale)
@@ -336,8 +336,8 @@ ZOO: dict[str, dict] = {
         predictor={"y": "dense affine, through local 'f'"},
         q={"w1": "full (3 x 3)"},
     ),
-    "gme_weibull2": dict(
-        roles={"w1": GAUSS, "w2": RAYL, "f": QUAD},
+    "gme_weibull2": dict(  # the same prior as a Rayleigh, but a hyperparameter
+        roles={"w1": GAUSS, "w2": HYPER, "f": QUAD},
         predictor={"y": "dense affine, through local 'f'"},
         q={"w1": "full (3 x 3)"},
     ),

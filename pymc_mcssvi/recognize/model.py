@@ -285,7 +285,10 @@ def _check_imputation(model):
                 raise UnsupportedModelError(
                     base,
                     f"the observed data contain missing values, and PyMC added '{base}_unobserved' to impute them",
-                    "drop the rows with missing values before building the model (or impute them yourself)",
+                    "drop the rows with missing values before building the model (or impute them "
+                    "yourself); for a matrix with missing entries (matrix factorization, PCA), "
+                    "observe the list of its entries: rows, cols = np.nonzero(~np.isnan(Y)), "
+                    "then (U[rows] * V[cols]).sum(-1) with observed=Y[rows, cols]",
                 )
 
 

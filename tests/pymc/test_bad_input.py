@@ -88,8 +88,9 @@ def test_missing_values_imputed_by_pymc():
         w = pm.Normal("w", 0, 1)
         with pytest.warns(Warning):
             pm.Normal("y", w, 1.0, observed=np.array([1.0, np.nan, 2.0]))
-        with pytest.raises(UnsupportedModelError, match="'y'.*missing values"):
+        with pytest.raises(UnsupportedModelError, match="'y'.*missing values") as err:
             pm.fit(method="mcssvi")
+    assert "observe the list of its entries" in str(err.value)  # a matrix's missing entries
 
 
 def test_discrete_free_variable():

@@ -26,6 +26,7 @@ from pymc.variational.inference import Inference
 from pytensor.compile.mode import Mode, get_mode
 from pytensor.graph.replace import graph_replace, vectorize_graph
 from pytensor.graph.rewriting.basic import in2out
+from pytensor.graph.traversal import ancestors
 from rich.console import Console
 from rich.progress import Progress, TextColumn
 from threadpoolctl import threadpool_limits
@@ -41,6 +42,7 @@ from pymc_mcssvi.algorithms.hyperparameters import (
 )
 from pymc_mcssvi.algorithms.kernel import MAX_COUPLED_HYPERS, StepKernel
 from pymc_mcssvi.algorithms.marginal import (
+    AXIS_POINTS,
     EPS_GRID,
     HESSIAN_STEP,
     MAX_CORRECTED_HYPERS,
@@ -198,6 +200,9 @@ def _named_backend_kwargs(backend, compile_kwargs):
 #: (:func:`python_few_calls_mode`) before it is recompiled with the step's
 #: rewrites (:func:`python_step_mode`). See :class:`_UpgradingStep`.
 UPGRADE_AT = 120
+#: Rise of the hyperparameters' profile above its centre (nats) that is warned about:
+#: the fit stopped away from the best bound it reaches (a sharp change point: 1.2).
+PROFILE_RISE_WARN = 1.0
 
 
 class _UpgradingStep:
@@ -1214,6 +1219,7 @@ class StructuredVI(Inference):
         except Exception as err:  # the Gaussian q(h) stays
             logger.info("Skewed q(h) not computed (%s: %s)", type(err).__name__, err)
             return
+        self._warn_higher_profile(refits, V, s, mu)
         am = axis_marginal([r.value for r in refits], V, s)
         if am is None:
             logger.info("Skewed q(h) not used: the profile disagrees with its curvature")
@@ -1386,6 +1392,46 @@ class StructuredVI(Inference):
                     UserWarning,
                     stacklevel=3,
                 )
+
+    def _warn_higher_profile(self, refits, directions, scales, mu):
+        """Warn when the profile along q(h)'s axes rises above its centre by more than
+        :data:`PROFILE_RISE_WARN` nats: the fit stopped away from the highest bound it can
+        reach, as on a rough or multimodal posterior (a sharp change point: q(h) stayed
+        at tau = 50 where NUTS puts it at 59, 6.9 sds away, with the profile 1.2 nats
+        higher 4 sds out)."""
+        rise = np.array([r.value for r in refits[1:]], dtype="float64") - refits[0].value
+        if not np.any(np.isfinite(rise)) or np.nanmax(rise) <= PROFILE_RISE_WARN:
+            return
+        j, i = divmod(int(np.nanargmax(rise)), len(AXIS_POINTS))
+        step = AXIS_POINTS[i] * np.asarray(directions)[:, j] * scales[j]
+        k = int(np.argmax(np.abs(step)))  # the coordinate that moves most
+        off = 0
+        for h in self.tlm.hypers:
+            if k < off + h.size:
+                break
+            off += h.size
+        try:
+            expr = self.model.replace_rvs_by_values([h.rv])[0]
+            point = self.model.initial_point()
+            inputs = [v for v in self.model.value_vars if v in set(ancestors([expr]))]
+            flat_h, off2 = {}, 0
+            for hh in self.tlm.hypers:
+                flat_h[hh.value.name] = (mu + step)[off2 : off2 + hh.size].reshape(hh.shape)
+                off2 += hh.size
+            fn = pytensor.function(inputs, expr, on_unused_input="ignore")
+            there = fn(*[flat_h.get(v.name, point[v.name]) for v in inputs])
+            at = f" (at {h.name} = {np.array2string(np.asarray(there), precision=3)})"
+        except Exception:  # the value is a courtesy; the warning is not
+            at = ""
+        warnings.warn(
+            f"The bound is {np.nanmax(rise):.2g} nats higher{at} than at the fitted "
+            f"hyperparameters, along the direction that moves {h.name!r} most: the fit "
+            "stopped away from its best value, as on a rough or multimodal posterior (a sharp "
+            "change point, separated modes). Check with pm.sample, or refit with start= "
+            "near that value.",
+            UserWarning,
+            stacklevel=4,
+        )
 
     def refine(self, n, progressbar=True, progressbar_theme=default_progress_theme):
         """Continue a fit for ``n`` more iterations."""

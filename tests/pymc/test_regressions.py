@@ -622,3 +622,32 @@ def test_rayleigh_group_scale_draws():
         approx = pm.fit(method="hmcssvi", random_seed=1, progressbar=False)
     post = approx.sample(200, random_seed=0).posterior
     assert all(np.isfinite(post[v].values).all() for v in ("a", "su", "u", "s"))
+
+
+def test_profile_above_the_fit_is_warned():
+    """A sharp change point, ``sigmoid((t - tau) / 0.5)``: q(h) stops at tau = 50, NUTS
+    puts it at 59 (6.9 NUTS sds away), and the bound is higher 4 sds out along tau's
+    axis. That is said, not silent. A random-intercept model, whose profile peaks at its
+    centre, does not warn."""
+    import warnings
+
+    t = np.arange(100.0)
+    y = np.random.default_rng(44).poisson(np.where(t < 60, 4.0, 1.5))
+    with pm.Model():
+        a1 = pm.Normal("a1", 1, 1)
+        a2 = pm.Normal("a2", 1, 1)
+        tau = pm.Uniform("tau", 0, 100)
+        w = pm.math.sigmoid((t - tau) / 0.5)
+        pm.Poisson("y", pm.math.exp(a1 + (a2 - a1) * w), observed=y)
+        with pytest.warns(UserWarning, match=r"nats higher \(at tau = 5\d.*moves 'tau' most"):
+            pm.fit(method="hmcssvi", random_seed=1, progressbar=False)
+    rng = np.random.default_rng(3)
+    g = np.repeat(np.arange(8), 10)
+    with pm.Model():
+        s = pm.HalfNormal("s", 1)
+        a = pm.Normal("a", 0, s, shape=8)
+        pm.Normal("y", a[g], 1.0, observed=rng.normal(0, 1, 8)[g] + rng.normal(size=80))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            pm.fit(method="hmcssvi", random_seed=1, progressbar=False)
+    assert not [w for w in caught if "nats higher" in str(w.message)]

@@ -134,9 +134,8 @@ class GeneralEstimator:
         self._w = w
         self._graphs = (total, grad, hess)
         self.per_observation = PerObservation.build(tlm, self.offsets, self.maps)
-        if self.per_observation is not None and self.per_observation.cost >= n_colors * sum(
-            int(np.prod(t.logp.type.shape or (1,))) for t in tlm.general_terms
-        ):
+        per_obs = self.per_observation
+        if per_obs is not None and per_obs.cost >= n_colors * per_obs.n_obs:
             self.per_observation = None  # the colored products are cheaper
 
     def _eps(self, seg):
@@ -210,11 +209,20 @@ class PerObservation:
     Use :meth:`build`, which returns None when a term does not have that form.
     """
 
-    def __init__(self, total, grads, second, positions, pairs):
-        self.total, self.grads, self.second = total, grads, second
-        self.positions, self.pairs = positions, pairs
-        self.placeholders = None
-        self.cost = sum(p.size for p in positions) + sum(positions[j].size for j, _ in pairs)
+    def __init__(self, placeholders, positions, term_of, total, maps):
+        self.placeholders, self.positions, self.total = placeholders, positions, total
+        n = len(placeholders)
+        self.pairs = [(j, k) for j in range(n) for k in range(j, n) if term_of[j] == term_of[k]]
+        self.grads = pt.grad(total, placeholders)
+        # entrywise: the derivative of sum_n g_j[n] along input k is d2 l_n / dp_j dp_k
+        self.second = [
+            pt.grad(pt.sum(self.grads[j]), placeholders[k], disconnected_inputs="ignore")
+            for j, k in self.pairs
+        ]
+        #: observations of all the terms (the length of each term's inputs)
+        self.n_obs = sum(positions[term_of.index(t)].size for t in sorted(set(term_of)))
+        self.cost = sum(p.size for p in positions) + sum(positions[j].size for j, _ in self.pairs)
+        self._scatter = self._block_scatter(maps)
 
     @classmethod
     def build(cls, tlm, offsets, maps):
@@ -256,17 +264,7 @@ class PerObservation:
             if not all(is_separable(flat, ph) for ph in repl.values()):
                 return None
             total = total + pt.sum(stable_logp(flat))
-        grads = pt.grad(total, holders)
-        n = len(holders)
-        pairs = [(j, k) for j in range(n) for k in range(j, n) if term_of[j] == term_of[k]]
-        # entrywise: the derivative of sum_n g_j[n] along input k is d2 l_n / dp_j dp_k
-        second = [
-            pt.grad(pt.sum(grads[j]), holders[k], disconnected_inputs="ignore") for j, k in pairs
-        ]
-        out = cls(total, grads, second, positions, pairs)
-        out.placeholders = holders
-        out._scatter = out._block_scatter(maps)
-        return out
+        return cls(holders, positions, term_of, total, maps)
 
     def _block_scatter(self, maps):
         """Per segment ``(target, source)``: flat positions in its ``(R * K * K)``

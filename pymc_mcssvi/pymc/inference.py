@@ -1131,14 +1131,12 @@ class StructuredVI(Inference):
             if getattr(self, "_conditional_globals", None) is None:
                 k = self.kernel
                 work = self.work_estimate() / max(len(k.hypers.w), 1)
-                if self.tlm.general_terms:
+                if self.tlm.general_terms or self.tlm.rayleighs:
                     # Monte Carlo + autodiff terms: a re-fit per draw is never cheap, and
                     # compiling it took PyTensor's rewriting > 5 minutes on a non-centered
-                    # observation-level effect; the draws come from the view
-                    work = np.inf
-                if self.tlm.rayleighs:
-                    # the re-fit moves q(w | h) only: a Rayleigh global's value would be
-                    # an input it is never given (MissingInputError in approx.sample)
+                    # observation-level effect. A Rayleigh global: the re-fit moves q(w | h)
+                    # only, and its value would be an input it is never given
+                    # (MissingInputError in approx.sample). The draws come from the view
                     work = np.inf
                 self._conditional_globals = ConditionalGlobals(
                     k, self.model, self.approx.groups[0], work
@@ -1396,9 +1394,9 @@ class StructuredVI(Inference):
     def _warn_higher_profile(self, refits, directions, scales, mu):
         """Warn when, after a converged fit, the profile along q(h)'s axes rises above its
         centre by more than :data:`PROFILE_RISE_WARN` nats: the fit stopped away from the
-        highest bound it can reach, as on a rough or multimodal posterior (a sharp change point: q(h) stayed
-        at tau = 50 where NUTS puts it at 59, 6.9 sds away, with the profile 1.2 nats
-        higher 4 sds out)."""
+        highest bound it can reach, as on a rough or multimodal posterior (a sharp change
+        point: q(h) stayed at tau = 50 where NUTS puts it at 59, 6.9 sds away, with the
+        profile 1.2 nats higher 4 sds out)."""
         if not self.approx.converged:
             return  # n= iterations, or max_iter: not at a maximum anyway
         rise = np.array([r.value for r in refits[1:]], dtype="float64") - refits[0].value
@@ -1406,20 +1404,19 @@ class StructuredVI(Inference):
             return
         j, i = divmod(int(np.nanargmax(rise)), len(AXIS_POINTS))
         step = AXIS_POINTS[i] * np.asarray(directions)[:, j] * scales[j]
-        k = int(np.argmax(np.abs(step)))  # the coordinate that moves most
-        off = 0
-        for h in self.tlm.hypers:
-            if k < off + h.size:
-                break
-            off += h.size
+        hypers = self.tlm.hypers
+        ends = np.cumsum([hh.size for hh in hypers])
+        # the hyperparameter of the coordinate that moves most
+        h = hypers[int(np.searchsorted(ends, np.argmax(np.abs(step)), side="right"))]
         try:
             expr = self.model.replace_rvs_by_values([h.rv])[0]
             point = self.model.initial_point()
-            inputs = [v for v in self.model.value_vars if v in set(ancestors([expr]))]
-            flat_h, off2 = {}, 0
-            for hh in self.tlm.hypers:
-                flat_h[hh.value.name] = (mu + step)[off2 : off2 + hh.size].reshape(hh.shape)
-                off2 += hh.size
+            used = set(ancestors([expr]))
+            inputs = [v for v in self.model.value_vars if v in used]
+            flat_h = {
+                hh.value.name: part.reshape(hh.shape)
+                for hh, part in zip(hypers, np.split(mu + step, ends[:-1]), strict=True)
+            }
             fn = pytensor.function(inputs, expr, on_unused_input="ignore")
             there = fn(*[flat_h.get(v.name, point[v.name]) for v in inputs])
             at = f" (at {h.name} = {np.array2string(np.asarray(there), precision=3)})"

@@ -19,7 +19,7 @@ from pytensor.compile.builders import OpFromGraph
 from pytensor.compile.rewriting import inline_ofg_node
 from pytensor.graph.basic import Variable
 from pytensor.graph.replace import graph_replace
-from pytensor.graph.traversal import ancestors
+from pytensor.graph.traversal import ancestors, graph_inputs, io_toposort
 from pytensor.scalar import basic as ps
 from pytensor.tensor.basic import Alloc
 from pytensor.tensor.blockwise import Blockwise
@@ -181,6 +181,11 @@ def flatten_dense_product(logp: Variable, shapes: dict) -> Variable | None:
     s = pt.constant(np.repeat(np.arange(N), D).astype("int64"), name="row_of_entry")
     d = pt.constant(np.tile(np.arange(D), N).astype("int64"), name="col_of_entry")
     flat_prod = (A[s] * B[d]).sum(-1)
+    # the variables computed from the product (the rest is read at (s, d) as it is)
+    downstream = {prod}
+    for node in io_toposort(list(graph_inputs([logp])), [logp]):
+        if any(i in downstream for i in node.inputs):
+            downstream.update(node.outputs)
     memo: dict = {}
 
     def gathered(y):
@@ -201,7 +206,7 @@ def flatten_dense_product(logp: Variable, shapes: dict) -> Variable | None:
             return memo[v]
         if v is prod:
             out = flat_prod
-        elif prod not in ancestors([v]):
+        elif v not in downstream:
             out = gathered(v)
         else:
             node = v.owner

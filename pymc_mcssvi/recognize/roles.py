@@ -371,9 +371,44 @@ NON_GAUSSIAN_PRIORS = {
 }
 
 
+def series_params(op, ps):
+    """``(locations, others)`` of a Gaussian time series' prior.
+
+    ``pm.GaussianRandomWalk`` (``ps``: the initial and the innovation
+    distributions, both Normal): their means and their sds. ``pm.AR`` (``ps``:
+    ``rhos, sigma, init_dist``, the initial distribution Normal): the initial
+    mean and the constant term (``rhos[..., 0]`` with ``constant=True``), and
+    ``sigma``, the initial sd and the coefficients.
+    """
+    if isinstance(op, RandomWalkRV):
+        (m0, s0), (m1, s1) = (dist_params(d)[:2] for d in ps[:2])
+        return [m0, m1], [s0, s1]
+    rhos, sigma, init = ps[:3]
+    m0, s0 = dist_params(init)[:2]
+    locs = [m0, rhos[..., 0]] if op.constant_term else [m0]
+    return locs, [sigma, s0, rhos]
+
+
+def gaussian_series(rv) -> str | None:
+    """``"randomwalk"`` or ``"ar"`` for a time series that is Gaussian given its
+    parameters (Normal initial values and innovations), else None."""
+    op, _ = base_op(rv)
+    if isinstance(op, RandomWalkRV):
+        kind, dists = "randomwalk", rv.owner.inputs[:2]
+    elif isinstance(op, AutoRegressiveRV):
+        kind, dists = "ar", rv.owner.inputs[2:3]
+    else:
+        return None
+    ok = all(d.owner is not None and isinstance(d.owner.op, NormalRV) for d in dists)
+    return kind if ok else None
+
+
 def loc_and_others(rv, ps):
     """The location parameter of ``rv``'s prior and its other parameters."""
     op, _ = base_op(rv)
+    if isinstance(op, RandomWalkRV | AutoRegressiveRV):
+        locs, others = series_params(op, ps)
+        return pt.add(*(pt.sum(m) for m in locs)), others
     # zero mean; parameters (sigma, support shape) and (W, sigma, zero_sum_stdev)
     if isinstance(op, ZeroSumNormalRV | ICARRV):
         return pt.constant(0.0), list(ps)
@@ -450,6 +485,9 @@ def assign_roles(model) -> Roles:
             cand[rv] = "icar" if isinstance(op, ICARRV) else "car"
         elif isinstance(op, NormalRV):
             cand[rv] = "normal"
+        elif gaussian_series(rv) is not None:
+            # a GaussianRandomWalk or AR: a Gaussian with a banded precision
+            cand[rv] = gaussian_series(rv)
         elif type(op) in NON_GAUSSIAN_PRIORS:
             cand[rv] = NON_GAUSSIAN_PRIORS[type(op)][0]
     shapes = {values[rv]: vshape[rv] for rv in cand}
@@ -550,13 +588,16 @@ def assign_roles(model) -> Roles:
     return roles
 
 
-#: Time-series latents: Gaussian given their parameters, but with a banded precision the
-#: structured q does not represent; as hyperparameters they would get a mean-field q.
+#: Time-series latents. A GaussianRandomWalk or AR with Normal initial values is a
+#: Gaussian global (:func:`gaussian_series`); the others, left to the hyperparameters,
+#: would get a mean-field q.
 _TIME_SERIES_OPS = (RandomWalkRV, AutoRegressiveRV, GARCH11RV, EulerMaruyamaRV)
 
 
 def _reject_time_series_latents(roles):
-    """Raise for a latent time series (GaussianRandomWalk, AR, GARCH11, EulerMaruyama).
+    """Raise for a latent time series that is not a Gaussian global: GARCH11,
+    EulerMaruyama, a random walk or AR from a non-Normal start, or one whose
+    parameters involve the Gaussian globals.
 
     Left to the hyperparameters, its whole path would get an independent Gaussian per
     time point, uncorrelated with the rest: a GaussianRandomWalk under a Gaussian

@@ -212,3 +212,59 @@ def test_spatial_effect_with_gaussian_noise_is_exact_in_one_step(prior):
     logp = model.compile_logp()({"phi": m})
     log_normalizer = logp + 0.5 * n * np.log(2 * np.pi) - 0.5 * np.linalg.slogdet(P)[1]
     np.testing.assert_allclose(-approx.hist[-1], log_normalizer, rtol=1e-9)
+
+
+@pytest.mark.parametrize("kind", ["random_walk", "ar2_constant"])
+def test_latent_time_series_is_exact_in_one_step(kind):
+    """A ``pm.GaussianRandomWalk`` or ``pm.AR`` latent (Normal initial values) is a
+    Gaussian global whose prior is read as whitened residuals, affine in the path: with
+    fixed parameters, an intercept and a Gaussian likelihood the posterior of
+    ``(b0, x)`` is Gaussian, and one step with rho = 1 lands on it. Both series are
+    batched (two paths) to check PyMC's axis order (walks time-first, AR time-last)."""
+    rng = np.random.default_rng(33)
+    T, s, noise = 15, 0.3, 0.5
+    y = np.cumsum(rng.normal(0, s, (2, T)), axis=1) + rng.normal(0, noise, (2, T))
+    rho, c = np.array([0.6, 0.25]), 0.2
+    with pm.Model():
+        b0 = pm.Normal("b0", 0.0, 2.0)
+        if kind == "random_walk":
+            x = pm.GaussianRandomWalk(
+                "x", mu=0.1, sigma=s, init_dist=pm.Normal.dist(0.5, 1.5), shape=(2, T)
+            )
+        else:
+            x = pm.AR(
+                "x", rho=np.r_[c, rho], sigma=s, constant=True,
+                init_dist=pm.Normal.dist(0.5, 1.5), shape=(2, T),
+            )  # fmt: skip
+        pm.Normal("y", b0 + x, noise, observed=y)
+        inf = pymc_mcssvi.MCSSVI(schedule=1.0, start_sigma=3.0)
+        inf.fit(n=2, progressbar=False)
+    assert [g.prior for g in inf.tlm.gaussians] == [
+        "normal",
+        "randomwalk" if kind == "random_walk" else "ar",
+    ]
+    # exact: the prior residuals are D x - e (per path), the likelihood y = b0 + x + noise
+    n = 2 * T
+    D, e = np.zeros((n, n)), np.zeros(n)
+    for p in range(2):
+        o = p * T
+        order = 1 if kind == "random_walk" else 2
+        for t in range(T):
+            if t < order:
+                D[o + t, o + t], e[o + t] = 1 / 1.5, 0.5 / 1.5
+            elif kind == "random_walk":
+                D[o + t, [o + t, o + t - 1]] = np.array([1.0, -1.0]) / s
+                e[o + t] = 0.1 / s
+            else:
+                D[o + t, [o + t, o + t - 1, o + t - 2]] = np.array([1.0, -rho[0], -rho[1]]) / s
+                e[o + t] = c / s
+    P = np.zeros((n + 1, n + 1))
+    P[0, 0] = 1 / 4.0
+    P[1:, 1:] = D.T @ D
+    h = np.r_[0.0, D.T @ e]
+    A = np.hstack([np.ones((n, 1)), np.eye(n)])
+    P, h = P + A.T @ A / noise**2, h + A.T @ y.reshape(-1) / noise**2
+    k = inf.kernel
+    mean, L = k.base_mean[0].get_value()[0], k.base_factor[0].get_value()[0]
+    np.testing.assert_allclose(mean, np.linalg.solve(P, h), atol=1e-8)
+    np.testing.assert_allclose(L @ L.T, P, rtol=1e-8, atol=1e-10 * np.abs(P).max())

@@ -477,7 +477,7 @@ def _series_residuals(g, value, params):
     >>> with pm.Model() as m:
     ...     s = pm.HalfNormal("s", 0.5)
     ...     x = pm.GaussianRandomWalk("x", sigma=s, init_dist=pm.Normal.dist(1, 2), shape=(2, 6))
-    ...     pm.Poisson("y", pt.exp(x), observed=np.ones((2, 6), int))
+    ...     y = pm.Poisson("y", pt.exp(x), observed=np.ones((2, 6), int))
     >>> tlm = recognize(m)
     >>> [g.prior for g in tlm.gaussians], [h.name for h in tlm.hypers]
     (['randomwalk'], ['s'])

@@ -14,7 +14,13 @@ import numpy as np
 from pymc_mcssvi.exceptions import UnsupportedModelError
 from pymc_mcssvi.recognize.ir import GaussianGlobal, Segment
 
-__all__ = ["MAX_CROSSED_FULL_DIM", "MAX_FULL_DIM", "build_segments", "resolve_structure"]
+__all__ = [
+    "ARROW_FULL_DIM",
+    "MAX_CROSSED_FULL_DIM",
+    "MAX_FULL_DIM",
+    "build_segments",
+    "resolve_structure",
+]
 
 #: Largest total dimension for which the automatic layout keeps one full covariance.
 MAX_FULL_DIM = 1000
@@ -27,6 +33,15 @@ MAX_FULL_DIM = 1000
 MAX_CROSSED_FULL_DIM = 2000
 #: Effect vectors up to this size always join the full head of the layout.
 SMALL_GLOBAL = 64
+#: The limit instead of :data:`MAX_FULL_DIM` when the larger effect vectors are read
+#: only through gathers of one grouping factor (random intercepts and slopes) and the
+#: rest fits the arrow's head: the posterior precision given the hyperparameters is then
+#: itself block-arrow, which the arrow q keeps exactly at a cost linear in the groups
+#: (:mod:`~pymc_mcssvi.algorithms.arrow`). A logistic GLMM with random intercepts and
+#: slopes, 300 groups (604 dimensions): 48.7 s with one full covariance, 4.5 s with the
+#: arrow, the same posterior (means within 0.02 sd, sds 0.996-1.026x); 150 groups
+#: 11.4 s against 3.4 s. Below it a full covariance costs about the same.
+ARROW_FULL_DIM = 256
 
 
 def resolve_structure(
@@ -35,6 +50,7 @@ def resolve_structure(
     joint_blocks: list[list[int]] | None = None,
     row_blocks: set[int] | None = None,
     crossed: bool = False,
+    arrow: bool = False,
 ) -> dict[int, str]:
     """Choose ``"full"``, ``"block"`` or ``"diag"`` for every Gaussian global.
 
@@ -54,6 +70,10 @@ def resolve_structure(
         Whether an observation reads two large effect vectors at different rows;
         the automatic choice then keeps one full covariance up to
         :data:`MAX_CROSSED_FULL_DIM` dimensions instead of :data:`MAX_FULL_DIM`.
+    arrow : bool
+        Whether the arrow q represents the posterior's structure (effects of one
+        grouping factor, a small head): the automatic choice then keeps one full
+        covariance up to :data:`ARROW_FULL_DIM` dimensions only.
 
     Returns
     -------
@@ -82,7 +102,7 @@ def resolve_structure(
             raise ValueError(f"cov must be one of {sorted(valid)} or a dict of them, got {kind!r}")
 
     total = sum(g.size for g in gaussians)
-    limit = MAX_CROSSED_FULL_DIM if crossed else MAX_FULL_DIM
+    limit = MAX_CROSSED_FULL_DIM if crossed else ARROW_FULL_DIM if arrow else MAX_FULL_DIM
     out = {}
     for i, g in enumerate(gaussians):
         kind = per_var.get(i, default)

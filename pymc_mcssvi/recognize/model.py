@@ -48,6 +48,7 @@ from pymc_mcssvi.recognize.likelihood import (
     likelihood_term,
 )
 from pymc_mcssvi.recognize.roles import (
+    NON_GAUSSIAN_PRIORS,
     assign_roles,
     base_op,
     dist_params,
@@ -239,8 +240,11 @@ def _recognize(model, cov, bound, inner, n_inner) -> TwoLevelModel:
     affine_terms = predictor_terms + [b.affine for b in bilinear_terms if b.affine is not None]
     joint = _joint_blocks(affine_terms, gaussians)
     crossed = _crossed_factors(affine_terms, gaussians, joint)
+    arrow = not (crossed or general_terms or bilinear_terms) and _arrow_suffices(
+        affine_terms, gaussians
+    )
     structure = resolve_structure(
-        gaussians, cov, joint, row_blocks=bilinear_sources, crossed=crossed
+        gaussians, cov, joint, row_blocks=bilinear_sources, crossed=crossed, arrow=arrow
     )
     segments = build_segments(gaussians, structure, joint, by_column=by_column)
     tlm = TwoLevelModel(
@@ -642,6 +646,70 @@ def _crossed_factors(terms: list[PredictorTerm], gaussians, joint) -> bool:
         if len(factors) > 1:
             return True
     return False
+
+
+#: Priors of an effect vector under which its entries are independent given the
+#: hyperparameters (an MvNormal: its rows), so that the arrow keeps their posterior.
+_ROW_INDEPENDENT_PRIORS = ("normal", "mvnormal", *(v[0] for v in NON_GAUSSIAN_PRIORS.values()))
+
+
+def _arrow_suffices(terms: list[PredictorTerm], gaussians) -> bool:
+    """Whether the arrow q keeps the posterior's structure given the hyperparameters.
+
+    True when the effect vectors larger than :data:`~pymc_mcssvi.recognize.layout.SMALL_GLOBAL`
+    (the body) have row-independent priors and every likelihood reads them through
+    gathers only (no dense design, no spatial or time-series prior coupling their
+    entries), and the other globals (the head) fit
+    :data:`~pymc_mcssvi.algorithms.arrow.ARROW_MAX_HEAD`. The caller has checked that
+    no observation reads two grouping factors at different rows and that no term is
+    general or bilinear.
+    """
+    from pymc_mcssvi.algorithms.arrow import ARROW_MAX_HEAD
+
+    body = {i for i, g in enumerate(gaussians) if g.size > SMALL_GLOBAL}
+    if not body or any(gaussians[i].prior not in _ROW_INDEPENDENT_PRIORS for i in body):
+        return False
+    if any(len(gaussians[i].shape) > 2 for i in body):
+        return False
+    for t in terms:
+        if t.kind != "likelihood":
+            continue
+        reads = [tt for tt in t.terms if tt.source in body]
+        if any(tt.is_dense for tt in reads):
+            return False
+        for src in {tt.source for tt in reads}:
+            if not _one_row_per_observation([tt for tt in reads if tt.source == src], gaussians):
+                return False
+    head = sum(g.size for i, g in enumerate(gaussians) if i not in body)
+    return 0 < head <= ARROW_MAX_HEAD
+
+
+def _one_row_per_observation(tts, gaussians) -> bool:
+    """Whether the gathers ``tts`` of one global read, for every observation, entries of
+    a single row (the same one in every term), and not all observations the same row.
+
+    False for ``a[home] - a[away]`` (two rows per observation: their posterior is
+    coupled) and for effects stored ``(effects, groups)`` (a row is an effect, read by
+    every observation).
+    """
+    import pytensor
+
+    g = gaussians[tts[0].source]
+    k = g.size // g.shape[0]
+    try:
+        rows = evaluate_static([tt.cols // k for tt in tts])
+    except pytensor.graph.fg.MissingInputError:
+        return False
+    first = None
+    for r in rows:
+        r = np.asarray(r).reshape(r.shape[0], -1) if np.ndim(r) > 1 else np.asarray(r)[:, None]
+        if np.any(r != r[:, :1]):
+            return False
+        if first is None:
+            first = r[:, 0]
+        elif r.shape[0] != first.shape[0] or np.any(r[:, 0] != first):
+            return False
+    return first is not None and np.unique(first).size > 1
 
 
 def _same_rows(tts, gaussians):

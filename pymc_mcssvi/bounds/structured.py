@@ -112,13 +112,14 @@ class StructuredBound:
         )
         self.arrow_head = arrow_head(tlm)
 
-    def work_estimate(self, local_factor: float = 1.0) -> float:
+    def work_estimate(self, local_factor: float = 1.0, linear_algebra: bool = True) -> float:
         """Rough number of floating-point operations of one iteration.
 
         Used to choose between running the step with Python-level operations
-        (no compilation) and compiling it with numba. ``local_factor``
-        multiplies the quadrature work of likelihoods with a marginalized local
-        (their inner nodes).
+        (no compilation) and compiling it. ``local_factor`` multiplies the
+        quadrature work of likelihoods with a marginalized local (their inner
+        nodes). ``linear_algebra=False`` leaves out the factorizations of q's
+        blocks, which run in LAPACK whatever the backend.
         """
         local_names = {lc.observed for lc in self.tlm.locals}
         total = 0.0
@@ -149,8 +150,9 @@ class StructuredBound:
             K = self.tlm.segments[su].k
             draws = 2 * K if self.bilinear.n_draws == "sigma" else self.bilinear.n_draws
             total += rows * draws * (10.0 * self.bilinear.n_points + 4.0 * K * K)
-        for seg in self.tlm.segments:
-            total += 2.0 * seg.rows * seg.k**3
+        if linear_algebra:
+            for seg in self.tlm.segments:
+                total += 2.0 * seg.rows * seg.k**3
         return total
 
     def predictor_variances(self, states: list[GaussianBlocks]):

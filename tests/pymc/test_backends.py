@@ -88,7 +88,7 @@ def test_automatic_jax_falls_back_when_an_op_has_no_translation(monkeypatch, err
         inf.fit(n=1, progressbar=False)
     assert compiled == ["jax", "python"]  # the fallback is remembered
     assert inf.backend_used == "python"
-    monkeypatch.setattr(inf, "work_estimate", lambda: 2 * inference.JAX_FALLBACK_COMPILE_WORK)
+    monkeypatch.setattr(inf, "work_estimate", lambda **kw: 2 * inference.JAX_FALLBACK_COMPILE_WORK)
     assert inf._jax_fallback_backend() == "numba"
     with model, pytest.raises(type(error), match=str(error)[:12]):
         pymc_mcssvi.HMCSSVI(random_seed=1).fit(n=1, progressbar=False, backend="jax")
@@ -151,7 +151,7 @@ def test_large_steps_compile_with_jax_when_it_is_installed(monkeypatch):
     model = _ordinal_pmf()
     with model:
         inf = pymc_mcssvi.HMCSSVI(random_seed=1)
-    monkeypatch.setattr(inf, "work_estimate", lambda: 10 * inference.COMPILE_WORK_THRESHOLD)
+    monkeypatch.setattr(inf, "work_estimate", lambda **kw: 10 * inference.COMPILE_WORK_THRESHOLD)
     assert inf.choose_backend() == "jax"
     monkeypatch.setattr(inference, "jax_available", lambda: False)
     assert inf.choose_backend() == "numba"

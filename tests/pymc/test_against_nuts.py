@@ -9,6 +9,7 @@ import pymc as pm
 import pytensor.tensor as pt
 import pytest
 
+import pymc_mcssvi
 from pymc_mcssvi import describe
 from pymc_mcssvi.recognize import recognize
 from tests.conftest import nuts_draws
@@ -667,3 +668,38 @@ def test_mvnormal_likelihood_with_lkj_covariance_is_whitened():
         pm.MvNormal("Y", mu=alpha + X @ beta, chol=chol, observed=Y)
     assert describe(model).predictor("Y") == "dense affine (MvNormal, whitened)"
     _compare(model, "mvnormal_lkj", ["alpha", "beta", "sds", "corr"], "hmcssvi")
+
+
+def test_local_shrinkage_scales_turn_the_linear_response_off():
+    """An R2D2 prior, ``beta = z * sigma * sqrt(phi * r2 / (1 - r2))`` with a Dirichlet
+    ``phi`` (one scale per coefficient): the linear-response view extrapolated
+    ``m_w(h)`` over the wide q(phi) and put the coefficients up to 1.6 NUTS sds off
+    (``phi`` is a local scale, so the view is off by default: within 0.22 sd). A GLMM's
+    scalar scales keep it."""
+    rng = np.random.default_rng(14)
+    N, P = 120, 12
+    X = rng.normal(size=(N, P))
+    y = 0.5 + X @ np.r_[1.0, -0.7, 0.4, np.zeros(P - 3)] + rng.normal(0, 1, N)
+    with pm.Model() as model:
+        sigma = pm.HalfStudentT("sigma", 3, 1)
+        r2 = pm.Beta("r2", 1, 1)
+        phi = pm.Dirichlet("phi", a=np.full(P, 0.5))
+        z = pm.Normal("z", 0, 1, shape=P)
+        pm.Deterministic("beta", z * sigma * pt.sqrt(phi * r2 / (1 - r2)))
+        a = pm.Normal("a", 0, 3)
+        pm.Normal("y", a + X @ model["beta"], sigma, observed=y)
+        inf = pymc_mcssvi.HMCSSVI(random_seed=2)
+    assert inf.local_scale_hypers() == ["phi"] and not inf.linear_response
+    ref = _flat(nuts_draws(model, "r2d2", draws=1000), ["beta", "a"])
+    with model:
+        approx = inf.fit(progressbar=False)
+    draws = _flat(approx.sample(4000, random_seed=3), ["beta", "a"])
+    z_err = np.abs(draws.mean(0) - ref.mean(0)) / ref.std(0)
+    assert z_err.max() < 0.4, np.round(z_err, 2)
+    g = np.repeat(np.arange(10), 8)
+    with pm.Model():
+        s = pm.HalfNormal("s", 1.0)
+        u = pm.Normal("u", 0, 1, shape=10)
+        pm.Normal("y", s * u[g], 1.0, observed=rng.normal(size=80))
+        glmm = pymc_mcssvi.HMCSSVI(random_seed=2)
+    assert glmm.local_scale_hypers() == [] and glmm.linear_response

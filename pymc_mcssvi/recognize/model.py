@@ -673,6 +673,10 @@ def _arrow_suffices(terms: list[PredictorTerm], gaussians) -> bool:
         return False
     for t in terms:
         if t.kind != "likelihood":
+            # a prior mean in another large effect vector (counties within many states)
+            # couples two body segments, which the arrow does not keep
+            if len({tt.source for tt in t.terms} & body) > 1:
+                return False
             continue
         reads = [tt for tt in t.terms if tt.source in body]
         if any(tt.is_dense for tt in reads):

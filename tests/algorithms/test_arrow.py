@@ -290,3 +290,20 @@ def test_effects_of_one_grouping_factor_take_the_arrow_from_256_dimensions(spell
     q = _layout_of(spelling)
     assert q["a"].startswith("block" if arrow else "full"), q
     assert q["b"].startswith("full"), q
+
+
+def test_effects_nested_through_their_prior_keep_the_full_covariance():
+    """County effects centred on their state's effect (``a ~ N(b[state], s)``), both
+    larger than SMALL_GLOBAL: the prior couples two body segments, which the arrow
+    does not keep."""
+    rng = np.random.default_rng(3)
+    n_state, n_county, n = 70, 210, 1500
+    state = np.arange(n_county) % n_state
+    c = rng.integers(0, n_county, n)
+    with pm.Model() as m:
+        b0 = pm.Normal("b0", 0, 1)
+        b = pm.Normal("b", 0, 1, shape=n_state)
+        a = pm.Normal("a", b[state], 0.5, shape=n_county)
+        pm.Bernoulli("y", logit_p=b0 + a[c], observed=rng.integers(0, 2, n))
+    q = {r["name"]: r["q"] for r in pymc_mcssvi.describe(m).variables}
+    assert q["a"].startswith("full"), q

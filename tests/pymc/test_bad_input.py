@@ -293,3 +293,19 @@ def test_beta_binomial_hierarchy_is_told_to_use_logit_normal_effects():
         pm.Binomial("y", n=20, p=theta, observed=[1, 3, 2, 5, 4])
         with pytest.raises(UnsupportedModelError, match=r"invlogit of Normal effects"):
             pm.fit(method="hmcssvi", progressbar=False)
+
+
+def test_predictors_set_to_a_new_length_without_the_observed_data_are_named():
+    """``pm.set_data`` of the predictors alone (the observed data left at the old length)
+    failed in the first iteration with NumPy's broadcasting error."""
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=60), rng.normal(size=60)
+    with pm.Model():
+        xd, yd = pm.Data("x", x), pm.Data("y_obs", y)
+        b = pm.Normal("b", 0, 1)
+        pm.Normal("y", b * xd, 1.0, observed=yd)
+        pm.set_data({"x": x[:50]})
+        with pytest.raises(UnsupportedModelError, match=r"'y'.*\(60,\).*\(50,\).*set_data"):
+            pm.fit(method="hmcssvi", progressbar=False)
+        pm.set_data({"x": x[:50], "y_obs": y[:50]})
+        pm.fit(n=2, method="hmcssvi", progressbar=False)

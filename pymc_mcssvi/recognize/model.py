@@ -123,7 +123,7 @@ def _recognize(model, cov, bound, inner, n_inner) -> TwoLevelModel:
     _check_imputation(model)
     for obs in model.observed_RVs:
         _check_observed_data(model, obs)
-        _check_observed_shape(model, obs)
+    _check_observed_shapes(model)
 
     roles = assign_roles(model)
     point = {v: roles.initial_point[v.name] for v in model.value_vars}
@@ -325,40 +325,54 @@ def _warn_scan_in_general_term(name, logp, gvalues):
             return
 
 
-def _check_observed_shape(model, obs):
-    """The parameters of a univariate likelihood must broadcast to its observed data.
+def _check_observed_shapes(model):
+    """The parameters of each univariate likelihood must broadcast to its observed data.
 
     After ``pm.set_data`` of the predictors alone (a new length, the observed data
     left at the old one) the step failed deep in the first iteration with NumPy's
-    "operands could not be broadcast together".
+    "operands could not be broadcast together". The shapes of all likelihoods are
+    evaluated at once (one variable at a time when some need a free variable's value).
     """
     from pytensor.tensor.random.op import RandomVariable
 
-    value = model.rvs_to_values.get(obs)
-    op = obs.owner.op if obs.owner is not None else None
-    if value is None or not isinstance(op, RandomVariable) or op.ndim_supp != 0:
-        return
-    params = [p for p in dist_params(obs) if getattr(p, "ndim", 0) > 0]
-    if not params:
+    checks = []
+    for obs in model.observed_RVs:
+        value = model.rvs_to_values.get(obs)
+        op = obs.owner.op if obs.owner is not None else None
+        if value is None or not isinstance(op, RandomVariable) or op.ndim_supp != 0:
+            continue
+        params = [p for p in dist_params(obs) if getattr(p, "ndim", 0) > 0]
+        if params:
+            checks.append((obs, params, [value.shape] + [p.shape for p in params]))
+    if not checks:
         return
     try:
-        data, *shapes = evaluate_static([value.shape] + [p.shape for p in params])
-    except Exception:  # noqa: BLE001  (shapes that need free variables: not checked here)
-        return
-    data = tuple(int(d) for d in data)
-    for p, shape in zip(params, shapes, strict=True):
-        shape = tuple(int(d) for d in shape)
-        tail = data[len(data) - len(shape) :] if len(shape) <= len(data) else None
-        if tail is None or any(a != b and a != 1 for a, b in zip(shape, tail, strict=True)):
-            what = f"{p.name!r}" if p.name else "a parameter"
-            raise UnsupportedModelError(
-                obs.name,
-                f"its observed data have shape {data} but {what} of its distribution has "
-                f"shape {shape}",
-                "after pm.set_data of the predictors, set the observed data to the same "
-                "length too (pm.set_data({..., 'y': y_new}), with the observed data as pm.Data), "
-                "or make the shapes agree",
-            )
+        flat = evaluate_static([e for _, _, exprs in checks for e in exprs])
+    except Exception:  # noqa: BLE001  (one needs a free variable: check one by one)
+        flat = None
+    at = 0
+    for obs, params, exprs in checks:
+        if flat is not None:
+            shapes, at = flat[at : at + len(exprs)], at + len(exprs)
+        else:
+            try:
+                shapes = evaluate_static(exprs)
+            except Exception:  # noqa: BLE001  (shapes that need free variables: not checked)
+                continue
+        data = tuple(int(d) for d in shapes[0])
+        for p, shape in zip(params, shapes[1:], strict=True):
+            shape = tuple(int(d) for d in shape)
+            tail = data[len(data) - len(shape) :] if len(shape) <= len(data) else None
+            if tail is None or any(a != b and a != 1 for a, b in zip(shape, tail, strict=True)):
+                what = f"{p.name!r}" if p.name else "a parameter"
+                raise UnsupportedModelError(
+                    obs.name,
+                    f"its observed data have shape {data} but {what} of its distribution has "
+                    f"shape {shape}",
+                    "after pm.set_data of the predictors, set the observed data to the same "
+                    "length too (pm.set_data({..., 'y': y_new}), with the observed data as "
+                    "pm.Data), or make the shapes agree",
+                )
 
 
 def _check_observed_data(model, obs):

@@ -341,9 +341,16 @@ def _check_observed_shapes(model):
         op = obs.owner.op if obs.owner is not None else None
         if value is None or not isinstance(op, RandomVariable) or op.ndim_supp != 0:
             continue
-        params = [p for p in dist_params(obs) if getattr(p, "ndim", 0) > 0]
+        # each parameter's batch shape (without its core dimensions: a Categorical's p)
+        core = dict(zip(map(id, op.dist_params(obs.owner)), op.ndims_params, strict=False))
+        params = [
+            (p, core.get(id(p), 0))
+            for p in dist_params(obs)
+            if getattr(p, "ndim", 0) > core.get(id(p), 0)
+        ]
         if params:
-            checks.append((obs, params, [value.shape] + [p.shape for p in params]))
+            shapes = [p.shape[: p.ndim - c] for p, c in params]
+            checks.append((obs, [p for p, _ in params], [value.shape, *shapes]))
     if not checks:
         return
     try:

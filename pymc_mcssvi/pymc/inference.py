@@ -588,24 +588,34 @@ class StructuredVI(Inference):
     def local_scale_hypers(self) -> list[str]:
         """Hyperparameters that hold one scale per coefficient (local shrinkage).
 
-        A hyperparameter with as many entries as a Gaussian global, in the
-        coefficients of that global's terms (its prior's scale, or a likelihood's
-        ``z * tau * lam``): a horseshoe's ``lam``, an R2D2 prior's ``phi``. With
-        them the linear-response view is off by default (``linear_response``).
+        A hyperparameter with the shape of a Gaussian global, in the coefficients of
+        that global and of no other in some term (its prior's scale, or a
+        likelihood's ``z * tau * lam``): a horseshoe's ``lam``, an R2D2 prior's
+        ``phi``; not a per-group residual sd, which scales every coefficient of its
+        rows. With them the linear-response view is off by default
+        (``linear_response``).
         """
         out = []
         for h in self.tlm.hypers:
-            shape = static_shape(h.rv)
+            shape = tuple(static_shape(h.rv))
             if int(np.prod(shape)) < 2:
                 continue
-            for gid, g in enumerate(self.tlm.gaussians):
-                if tuple(g.shape) != tuple(shape):
-                    continue
-                terms = [tt for t in self.tlm.predictor_terms for tt in t.terms if tt.source == gid]
-                if any(tt.vals is not None and depends_on_any(tt.vals, [h.value]) for tt in terms):
-                    out.append(h.name)
-                    break
+            same = {gid for gid, g in enumerate(self.tlm.gaussians) if tuple(g.shape) == shape}
+            if any(self._scales_only(t, same, h.value) for t in self.tlm.predictor_terms):
+                out.append(h.name)
         return out
+
+    @staticmethod
+    def _scales_only(term, sources, value) -> bool:
+        """Whether ``value`` is in the coefficients of one of ``sources`` in ``term`` and in
+        no other global's: a per-group residual sd (``Normal(a[g] + b x, sigma[g])``)
+        scales every coefficient of its rows, a shrinkage scale only its own."""
+        hit = {
+            tt.source
+            for tt in term.terms
+            if tt.vals is not None and depends_on_any(tt.vals, [value])
+        }
+        return len(hit) == 1 and hit <= sources
 
     def _warn_uncoupled_hypers(self):
         """Warn when too many mean-field hyperparameter coordinates switch off the joint

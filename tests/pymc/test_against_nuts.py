@@ -703,3 +703,13 @@ def test_local_shrinkage_scales_turn_the_linear_response_off():
         pm.Normal("y", s * u[g], 1.0, observed=rng.normal(size=80))
         glmm = pymc_mcssvi.HMCSSVI(random_seed=2)
     assert glmm.local_scale_hypers() == [] and glmm.linear_response
+    # a residual sd per group scales every coefficient of its rows: not a local scale
+    # (with the view off, the effects' scale sd was 0.78x NUTS's in
+    # test_scale_per_group_among_many_hyperparameters)
+    with pm.Model():
+        u = pm.Normal("u", 0, 1, shape=10)
+        b = pm.Normal("b", 0, 1)
+        sd = pm.HalfNormal("sd", 1, shape=10)
+        pm.Normal("y", u[g] + b * rng.normal(size=80), sd[g], observed=rng.normal(size=80))
+        hetero = pymc_mcssvi.HMCSSVI(random_seed=2)
+    assert hetero.local_scale_hypers() == [] and hetero.linear_response

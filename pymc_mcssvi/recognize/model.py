@@ -342,11 +342,10 @@ def _check_observed_shapes(model):
         if value is None or not isinstance(op, RandomVariable) or op.ndim_supp != 0:
             continue
         # each parameter's batch shape (without its core dimensions: a Categorical's p)
-        core = dict(zip(map(id, op.dist_params(obs.owner)), op.ndims_params, strict=False))
         params = [
-            (p, core.get(id(p), 0))
-            for p in dist_params(obs)
-            if getattr(p, "ndim", 0) > core.get(id(p), 0)
+            (p, core)
+            for p, core in zip(op.dist_params(obs.owner), op.ndims_params, strict=True)
+            if p.ndim > core
         ]
         if params:
             shapes = [p.shape[: p.ndim - c] for p, c in params]

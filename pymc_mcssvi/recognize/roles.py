@@ -485,9 +485,9 @@ def assign_roles(model) -> Roles:
             cand[rv] = "icar" if isinstance(op, ICARRV) else "car"
         elif isinstance(op, NormalRV):
             cand[rv] = "normal"
-        elif gaussian_series(rv) is not None:
+        elif series := gaussian_series(rv):
             # a GaussianRandomWalk or AR: a Gaussian with a banded precision
-            cand[rv] = gaussian_series(rv)
+            cand[rv] = series
         elif type(op) in NON_GAUSSIAN_PRIORS:
             cand[rv] = NON_GAUSSIAN_PRIORS[type(op)][0]
     shapes = {values[rv]: vshape[rv] for rv in cand}

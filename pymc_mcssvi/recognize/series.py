@@ -42,12 +42,18 @@ def series_residuals(g, value, params):
     """
     op, _ = base_op(g.rv)
     locs, others = ([as_float(v) for v in part] for part in series_params(op, params))
-    order = op.ar_order if g.prior == "ar" else 1
+    # (residuals, their sd, their shape): shapes from the series' static shape, as
+    # ``r.shape`` would read the value variable
+    *batch, T = g.shape
     if g.prior == "randomwalk":
         (m0, m1), (s0, s1) = locs, others
         xt = pt.moveaxis(value, -1, 0)
-        parts = [((xt[:1] - m0) / s0, s0), ((xt[1:] - xt[:-1] - m1) / s1, s1)]
+        parts = [
+            ((xt[:1] - m0) / s0, s0, (1, *batch)),
+            ((xt[1:] - xt[:-1] - m1) / s1, s1, (T - 1, *batch)),
+        ]
     else:
+        order = op.ar_order
         (sigma, s0, rhos), m0 = others, locs[0]
         coef = rhos[..., 1:] if op.constant_term else rhos
         expectation = pt.add(
@@ -57,21 +63,9 @@ def series_residuals(g, value, params):
             expectation = expectation + locs[1][..., None]
         sigma = sigma[..., None]
         parts = [
-            ((value[..., :order] - m0) / s0, s0),
-            ((value[..., order:] - expectation) / sigma, sigma),
+            ((value[..., :order] - m0) / s0, s0, (*batch, order)),
+            ((value[..., order:] - expectation) / sigma, sigma, (*batch, T - order)),
         ]
-    # shapes from the series' static shape: ``r.shape`` would read the value variable
-    *batch, T = g.shape
-    if g.prior == "randomwalk":
-        shapes = [(1, *batch), (T - 1, *batch)]
-    else:
-        shapes = [(*batch, order), (*batch, T - order)]
-    parts = [(pt.specify_shape(r, shp), sd) for (r, sd), shp in zip(parts, shapes, strict=True)]
-    resid = pt.concatenate([pt.flatten(r) for r, _ in parts])
-    const = -pt.add(
-        *(
-            pt.sum(pt.log(pt.broadcast_to(sd, shp)))
-            for (_, sd), shp in zip(parts, shapes, strict=True)
-        )
-    )
+    resid = pt.concatenate([pt.flatten(pt.specify_shape(r, shape)) for r, _, shape in parts])
+    const = -pt.add(*(pt.sum(pt.log(pt.broadcast_to(sd, shape))) for _, sd, shape in parts))
     return resid, const

@@ -46,6 +46,9 @@ __all__ = [
     "CURVATURE_RANGE",
     "EPS_GRID",
     "AxisMarginal",
+    "MAX_UNCHECKED_HYPERS",
+    "MIN_AXIS_SKEW",
+    "axis_skew",
     "NODES",
     "averaged_view_factors",
     "DataCoordinates",
@@ -58,10 +61,15 @@ __all__ = [
     "conditional_mean_table",
     "DrawMoments",
     "MAX_MOMENT_GRID",
+    "MAX_MOMENT_DRAWS",
     "MAX_MEAN_LOG_SCALE",
     "MAX_MOMENT_RANK",
     "draw_moments",
     "node_interpolation",
+    "axis_node_table",
+    "off_axis_nodes",
+    "node_table_points",
+    "grid_interpolation",
     "refit_graph",
     "table_transform",
 ]
@@ -81,8 +89,23 @@ EPS_GRID = np.linspace(-8.0, 8.0, 801)
 #: ``z`` were 1.1-1.2x NUTS's sds, the scaled 1.01-1.03x); crossed centered effects with
 #: an interaction had 1.48 (scaled) against 0.0 (plain), and cell sums 1.45x too wide.
 MAX_SCALING_MISFIT = 0.5
-#: Largest number of hyperparameter coordinates that get the correction.
-MAX_CORRECTED_HYPERS = 4
+#: Largest number of hyperparameter coordinates that get the correction. Its profile
+#: costs ``n (n + 1)`` re-fits for the curvature and ``8 n`` along the axes: 136 at 8
+#: (about 5 s on a small 8-scale GLMM), where lme4-style formulas with several
+#: grouping factors and slopes (5-7 coordinates) had scales' sds 0.74-0.88x NUTS's
+#: with the Gaussian.
+MAX_CORRECTED_HYPERS = 8
+#: Above this many coordinates the skewed marginal replaces the Gaussian only when
+#: it moves an axis's mean or sd by at least :data:`MIN_AXIS_SKEW` of its sd. The
+#: axes' marginals are slices of the profile, which leave out how the other axes'
+#: spread changes along each axis, an error that grows with their number: on an
+#: MvNormal regression with a learned 3 x 3 LKJ covariance (6 coordinates, skew
+#: 0.10) the slices moved the sds' means 0.05-0.12 NUTS sd away from NUTS, where
+#: the Gaussian was within 0.02; GLMMs with 5-8 group scales have skews 0.29-0.35
+#: and the slices bring them from up to 0.30 sd off to within 0.10.
+MAX_UNCHECKED_HYPERS = 4
+#: Smallest skew (:func:`axis_skew`) used above :data:`MAX_UNCHECKED_HYPERS` coordinates.
+MIN_AXIS_SKEW = 0.15
 
 
 class AxisMarginal(NamedTuple):
@@ -380,6 +403,27 @@ class ConditionalProfile:
                     side[z], prev_z = prev, z
             out.extend(side[z] for z in AXIS_POINTS)
         return out, scales
+
+
+def axis_skew(marginal: AxisMarginal) -> float:
+    """Largest departure of an axis marginal from q(h)'s Gaussian: the larger of
+    ``|mean|`` and ``|sd - 1|`` over the axes, in the axes' standard deviations (from
+    the quadrature weights at the centre and :data:`AXIS_POINTS`).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> z = np.r_[0.0, AXIS_POINTS]
+    >>> w = np.exp(-0.5 * np.vstack([z, z - 0.3]) ** 2)  # the second axis moved by 0.3
+    >>> am = AxisMarginal(None, None, None, None, None, None, w / w.sum(1, keepdims=True))
+    >>> round(axis_skew(am), 2)
+    0.3
+    """
+    z = np.r_[0.0, AXIS_POINTS]
+    w = np.asarray(marginal.weights)
+    mean = w @ z
+    sd = np.sqrt(np.maximum(w @ z**2 - mean**2, 0.0))
+    return float(max(np.max(np.abs(mean)), np.max(np.abs(sd - 1.0))))
 
 
 def axis_marginal(values, directions, scales) -> AxisMarginal | None:
@@ -712,14 +756,19 @@ class MomentGrid(NamedTuple):
 #: Largest number of grid points times coordinates of :func:`moment_grid`'s full grid
 #: (above it, points are drawn from the grid's weights).
 MAX_MOMENT_GRID = 2e7
+#: Most points drawn from the grid's weights when the full grid is too large: the
+#: moments they give are Monte Carlo averages (relative error of a variance about
+#: ``sqrt(2 / 20000) = 1%``); all 2e7 values took 5 s of a 7-axis fit (78
+#: coordinates, 256k points) and changed no reported sd by more than that.
+MAX_MOMENT_DRAWS = 20000
 #: Largest rank of ``R`` in :class:`DrawMoments`.
 MAX_MOMENT_RANK = 729
 
 
 def moment_grid(marginal: AxisMarginal, centre_h, size: int) -> MomentGrid:
     """The tensor grid of the axis marginal's nodes (independent axes), or equally
-    weighted draws from it when ``9^n`` points times ``size`` coordinates exceed
-    :data:`MAX_MOMENT_GRID`.
+    weighted draws from it (at most :data:`MAX_MOMENT_DRAWS`) when ``9^n`` points
+    times ``size`` coordinates exceed :data:`MAX_MOMENT_GRID`.
 
     Examples
     --------
@@ -739,7 +788,7 @@ def moment_grid(marginal: AxisMarginal, centre_h, size: int) -> MomentGrid:
         p = np.prod(weights[np.arange(n), points], axis=1)
     else:
         rng = np.random.default_rng(0)
-        m = int(max(MAX_MOMENT_GRID // max(size, 1), 1))
+        m = int(max(min(MAX_MOMENT_GRID // max(size, 1), MAX_MOMENT_DRAWS), 1))
         points = np.column_stack([rng.choice(len(z), size=m, p=weights[j]) for j in range(n)])
         p = np.full(m, 1.0 / m)
     t = z[points]
@@ -747,47 +796,50 @@ def moment_grid(marginal: AxisMarginal, centre_h, size: int) -> MomentGrid:
     return MomentGrid(order[points], t, h, p)
 
 
-def node_table_points(marginal: AxisMarginal, centre_h) -> np.ndarray:
-    """``(len(NODES)^n, n_h)``: the hyperparameters at every point of the tensor grid of
-    :data:`NODES` along q(h)'s axes, in row-major order (the rows of the tables
+def node_table_points(marginal: AxisMarginal, centre_h, nodes=None) -> np.ndarray:
+    """The hyperparameters at points of the tensor grid of :data:`NODES` along q(h)'s
+    axes: at ``nodes`` (``(m, n)`` node indices per axis), by default at every point,
+    ``(len(NODES)^n, n_h)`` in row-major order (the rows of the tables
     :func:`grid_interpolation` reads)."""
     n = len(marginal.scales)
-    t = NODES[np.indices((len(NODES),) * n).reshape(n, -1).T]
+    if nodes is None:
+        nodes = np.indices((len(NODES),) * n).reshape(n, -1).T
+    t = NODES[np.asarray(nodes)]
     return np.asarray(centre_h) + (t * marginal.scales) @ np.asarray(marginal.directions).T
 
 
-def additive_node_table(axis_values, n: int) -> np.ndarray:
-    """The tensor-grid table (rows as in :func:`node_table_points`) of a function that is
-    0 at the centre and adds up across the axes, from its values at the profile
+def axis_node_table(axis_values) -> np.ndarray:
+    """``(n, len(NODES), size)``: a function that is 0 at the centre and adds up across
+    q(h)'s axes, at :data:`NODES` along each axis, from its values at the profile
     points (``axis_values``: the centre, then :data:`AXIS_POINTS` along each axis in
-    turn, each ``(size,)``).
+    turn, each ``(size,)``). :func:`node_interpolation` sums it over the axes; it
+    holds ``9 n`` rows where the tensor grid holds ``9^n``.
 
     Examples
     --------
     >>> import numpy as np
     >>> vals = [np.zeros(1)] + [np.array([z]) for z in AXIS_POINTS] + [
     ...     np.array([10 * z]) for z in AXIS_POINTS]
-    >>> table = additive_node_table(vals, 2)
-    >>> pts = NODES[np.indices((9, 9)).reshape(2, -1).T]
-    >>> bool(np.allclose(table[:, 0], pts[:, 0] + 10 * pts[:, 1]))
-    True
+    >>> table = axis_node_table(vals)
+    >>> nodes = np.array([[0, 8], [4, 6]])  # t = (-4, 4) and (0, 2)
+    >>> table[np.arange(2), nodes].sum(axis=1)[:, 0].tolist()
+    [36.0, 20.0]
     """
     size = np.shape(axis_values[0])[-1]
-    k, per_axis = len(NODES), len(AXIS_POINTS)
-    table = np.zeros((k,) * n + (size,))
+    per_axis = len(AXIS_POINTS)
+    n = (len(axis_values) - 1) // per_axis
     centre_at = int(np.flatnonzero(NODES == 0.0)[0])
+    table = np.zeros((n, len(NODES), size))
     for j in range(n):
         along = list(axis_values[1 + j * per_axis : 1 + (j + 1) * per_axis])
         along.insert(centre_at, np.zeros(size))
-        shape = [1] * n + [size]
-        shape[j] = k
-        table = table + np.stack(along).reshape(shape)
-    return table.reshape(-1, size)
+        table[j] = np.stack(along)
+    return table
 
 
 def off_axis_nodes(n: int) -> np.ndarray:
-    """Rows of the tensor grid (as in :func:`node_table_points`) at ``+-2`` sds on every
-    pair of axes: where a function that adds up across the axes is checked."""
+    """``(m, n)`` node indices of the points at ``+-2`` sds on every pair of axes: where a
+    function that adds up across the axes is checked."""
     centre_at = int(np.flatnonzero(NODES == 0.0)[0])
     out = []
     for j in range(n):
@@ -796,8 +848,12 @@ def off_axis_nodes(n: int) -> np.ndarray:
                 for b in (-2, 2):
                     idx = [centre_at] * n
                     idx[j], idx[k] = centre_at + a, centre_at + b
-                    out.append(np.ravel_multi_index(idx, (len(NODES),) * n))
-    return np.asarray(out, dtype="int64")
+                    out.append(idx)
+    return np.asarray(out, dtype="int64").reshape(-1, n)
+
+
+#: Corners of the interpolation cell gathered at once by :func:`grid_interpolation`.
+CORNER_BLOCK = 16
 
 
 def grid_interpolation(t, table, n: int):
@@ -819,16 +875,20 @@ def grid_interpolation(t, table, n: int):
     pos = pt.clip(t, NODES[0], NODES[-1]) - NODES[0]
     i = pt.clip(pt.floor(pos), 0, k - 2).astype("int64")
     frac = pos - i
-    out = 0.0
-    for corner in np.ndindex(*(2,) * n):
-        idx = 0
-        weight = 1.0
-        for j, c in enumerate(corner):
-            idx = idx * k + i[:, j] + c
-            weight = weight * (frac[:, j] if c else 1.0 - frac[:, j])
+    strides = k ** np.arange(n - 1, -1, -1)
+    base = pt.sum(i * strides[None, :], axis=1)[:, None]  # the cell's lowest corner
+    corners = np.indices((2,) * n).reshape(n, -1).T
+    parts = []
+    # the 2^n corners in blocks (one gather of (draws, block, d) each): a sum of one
+    # term per corner became one Add node of 2^n operands, which PyTensor's Python
+    # VM refuses above 32 (5 axes)
+    for start in range(0, len(corners), CORNER_BLOCK):
+        c = corners[start : start + CORNER_BLOCK]
+        weight = pt.prod(pt.where(c[None], frac[:, None, :], 1.0 - frac[:, None, :]), axis=2)
         # clipped: a placeholder table (view not computed, its branch unused) has one row
-        out = out + weight[:, None] * table[pt.minimum(idx, table.shape[0] - 1)]
-    return out
+        idx = pt.minimum(base + (c @ strides)[None, :], table.shape[0] - 1)
+        parts.append(pt.sum(weight[:, :, None] * table[idx], axis=1))
+    return parts[0] if len(parts) == 1 else pt.sum(pt.stack(parts), axis=0)
 
 
 def noise_moment_factors(factors, sd_tables, grid: MomentGrid, log_scales, flat_maps):

@@ -15,6 +15,7 @@ from typing import NamedTuple
 import numpy as np
 import pytensor.tensor as pt
 from pymc.variational.opvi import Approximation, Group, node_property
+from pytensor.ifelse import ifelse
 from xarray import DataArray, Dataset
 
 from pymc_mcssvi.algorithms.marginal import grid_interpolation, node_interpolation, table_transform
@@ -51,12 +52,17 @@ class ConditionalView(NamedTuple):
         coordinates along q(h)'s axes
         (:func:`~pymc_mcssvi.algorithms.marginal.conditional_mean_table`): a
         draw's mean is ``exp(-LS(h)) (center + M(t))``.
-    log_scale_grid : SharedVariable
-        ``(len(NODES)^n_h, ddim)``: ``LS``, the log scales of the data's
+    log_scale_axes : SharedVariable
+        ``(n_h, len(NODES), ddim)``: ``LS``, the log scales of the data's
         coordinates (half the log ratio of the predictor Jacobian's squared column
-        norms to the centre's) on the tensor grid of the nodes along q(h)'s axes,
-        interpolated at each draw
-        (:func:`~pymc_mcssvi.algorithms.marginal.grid_interpolation`).
+        norms to the centre's) where they add up across q(h)'s axes: their values
+        at the nodes along each axis, interpolated and summed at each draw
+        (:func:`~pymc_mcssvi.algorithms.marginal.node_interpolation`).
+    log_scale_grid : SharedVariable
+        ``(len(NODES)^n_h, ddim)``: ``LS`` where they do not add up, on the tensor
+        grid of the nodes along q(h)'s axes
+        (:func:`~pymc_mcssvi.algorithms.marginal.grid_interpolation`); one row
+        (a placeholder, not evaluated) when they do.
     scale_masks : SharedVariable
         ``(2, ddim)``: the coordinates whose noise (row 0) and mean (row 1)
         follow ``LS`` (see :func:`~pymc_mcssvi.algorithms.marginal.data_coordinates`).
@@ -72,6 +78,7 @@ class ConditionalView(NamedTuple):
     factors: list
     sd_table: object
     mean_table: object
+    log_scale_axes: object
     log_scale_grid: object
     scale_masks: object
     moments: object
@@ -285,7 +292,13 @@ class StructuredGaussianGroup(Group):
                 t = (h @ V) / s
                 centre = self.center[None, :]
                 n_axes = view.mean_table.get_value(borrow=True).shape[0]
-                ls = grid_interpolation(t, view.log_scale_grid, n_axes)
+                ls = node_interpolation(t, view.log_scale_axes)
+                # lazy: 2^n_axes gathers per draw, only for a grid that is filled
+                ls = ls + ifelse(
+                    pt.gt(view.log_scale_grid.shape[0], 1),
+                    grid_interpolation(t, view.log_scale_grid, n_axes),
+                    pt.zeros_like(ls),
+                )
                 noise_ls, mean_ls = ls * view.scale_masks[0], ls * view.scale_masks[1]
                 noise = pt.exp(node_interpolation(t, view.sd_table) - noise_ls) * (out - centre)
                 mean = pt.exp(-mean_ls) * (centre + node_interpolation(t, view.mean_table))

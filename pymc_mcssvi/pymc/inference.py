@@ -47,13 +47,16 @@ from pymc_mcssvi.algorithms.marginal import (
     HESSIAN_STEP,
     MAX_CORRECTED_HYPERS,
     MAX_MOMENT_GRID,
+    MAX_UNCHECKED_HYPERS,
     MAX_VIEW_WORK,
+    MIN_AXIS_SKEW,
     NODES,
     ConditionalProfile,
     DrawMoments,
-    additive_node_table,
     averaged_view_factors,
     axis_marginal,
+    axis_node_table,
+    axis_skew,
     conditional_mean_table,
     data_coordinates,
     draw_moments,
@@ -430,11 +433,12 @@ class StructuredVI(Inference):
         sds up to 10.7x NUTS's; without it within 0.24 sd, sds 1.05-1.44x (an
         R2D2 regression: 1.6 sds off, within 0.22 without).
     hyper_marginal : {"profile", "gaussian"}
-        With the linear-response view and at most 4 hyperparameter
-        coordinates, ``"profile"`` (default) replaces the Gaussian q(h) by a
+        With the linear-response view and at most 8 hyperparameter
+        coordinates (:data:`~pymc_mcssvi.algorithms.marginal.MAX_CORRECTED_HYPERS`),
+        ``"profile"`` (default) replaces the Gaussian q(h) by a
         skewed one after the fit: the bound with q(w) re-fitted is evaluated
         along each principal axis of q(h) (INLA-style, 33 points for 4
-        coordinates, one compiled function), and its 1-D profiles become the
+        coordinates, after ``n (n + 1)`` for its curvature; one compiled function), and its 1-D profiles become the
         axes' marginals (:mod:`pymc_mcssvi.algorithms.marginal`). Group-level
         scales are skewed in log space, and the Gaussian put their posterior
         means 25-32% above NUTS's on the centered GLMM benchmarks. Kept
@@ -828,6 +832,10 @@ class StructuredVI(Inference):
                 ),
                 pytensor.shared(
                     np.zeros((k.hypers.spec.size, len(NODES), n_w)), name="conditional_view_mean"
+                ),
+                pytensor.shared(
+                    np.zeros((k.hypers.spec.size, len(NODES), n_w)),
+                    name="conditional_view_axis_log_scales",
                 ),
                 pytensor.shared(
                     np.zeros((1, n_w)), name="conditional_view_log_scales", shape=(None, n_w)
@@ -1277,6 +1285,14 @@ class StructuredVI(Inference):
         if am is None:
             logger.info("Skewed q(h) not used: the profile disagrees with its curvature")
             return
+        if len(s) > MAX_UNCHECKED_HYPERS and axis_skew(am) < MIN_AXIS_SKEW:
+            logger.info(
+                "Skewed q(h) not used: %d axes, skew %.3f below %s",
+                len(s),
+                axis_skew(am),
+                MIN_AXIS_SKEW,
+            )
+            return
         V_sh.set_value(am.directions)
         s_sh.set_value(am.scales)
         T_sh.set_value(am.table)
@@ -1292,35 +1308,48 @@ class StructuredVI(Inference):
         work = sum(f.shape[0] * f.shape[-1] ** 3 for f in factors)
         # the data's coordinates need the re-fits' covariances (as the averaged view does)
         dc = data_coordinates(refits) if work <= MAX_VIEW_WORK else None
-        mean_table = conditional_mean_table(
-            refits, means, V, s, self._flat_maps, n_w, None if dc is None else dc.mean_log_scales()
-        )
-        view.mean_table.set_value(mean_table)
-        grid = moment_grid(am, mu, n_w)
-        table_points = node_table_points(am, mu)
-        if len(table_points) * n_w > MAX_MOMENT_GRID:
-            dc = None  # the grid of log scales would not fit: q(w)'s own coordinates
+        n = len(s)
         masks = np.zeros((2, n_w))
-        ls_table = np.zeros((len(table_points), n_w))
+        ls_axes = np.zeros((n, len(NODES), n_w))
+        ls_grid = np.zeros((1, n_w))  # a placeholder row: the log scales add up
         if dc is not None:
             masks = np.stack([flat(dc.held), flat(dc.follows)]).astype("float64")
             # From the profile points when the log scales add up across the axes (log
             # sigma of a non-centered effect: exactly), checked on each pair of axes;
-            # else evaluated on the whole grid (an HSGP's spectral density).
-            ls_table = additive_node_table([flat(ls) for ls in dc.log_scales], len(s))
-            rows = off_axis_nodes(len(s))
-            if len(rows):
+            # else evaluated on the whole grid (an HSGP's spectral density) if it fits,
+            # else not followed (q(w)'s own coordinates).
+            ls_axes = axis_node_table([flat(ls) for ls in dc.log_scales])
+            pairs = off_axis_nodes(n)
 
-                def exact(at):
-                    log_sens = self._log_sensitivities(np.vstack([mu, table_points[at]]))
-                    centre = np.where(masks[0] > 0, log_sens[0], 0.0)
-                    return masks[0] * 0.5 * (log_sens[1:] - centre)
+            def exact(nodes):
+                log_sens = self._log_sensitivities(
+                    np.vstack([mu, node_table_points(am, mu, nodes)])
+                )
+                centre = np.where(masks[0] > 0, log_sens[0], 0.0)
+                return masks[0] * 0.5 * (log_sens[1:] - centre)
 
-                if np.max(np.abs(exact(rows) - ls_table[rows])) > ADDITIVE_LOG_SCALE_TOL:
-                    ls_table = exact(slice(None))
-        view.log_scale_grid.set_value(ls_table)
+            additive = ls_axes[np.arange(n), pairs].sum(axis=1)
+            if len(pairs) and np.max(np.abs(exact(pairs) - additive)) > ADDITIVE_LOG_SCALE_TOL:
+                if len(NODES) ** n * n_w > MAX_MOMENT_GRID:
+                    dc = None  # the grid of log scales would not fit
+                    masks[:] = 0.0
+                else:
+                    ls_grid = exact(None)
+                ls_axes = np.zeros_like(ls_axes)
+        mean_table = conditional_mean_table(
+            refits, means, V, s, self._flat_maps, n_w, None if dc is None else dc.mean_log_scales()
+        )
+        view.mean_table.set_value(mean_table)
+        view.log_scale_axes.set_value(ls_axes)
+        view.log_scale_grid.set_value(ls_grid)
         view.scale_masks.set_value(masks)
-        log_scales = ls_table[np.ravel_multi_index(grid.nodes.T, (len(NODES),) * len(s))]
+        grid = moment_grid(am, mu, n_w)
+        if len(ls_grid) > 1:
+            log_scales = ls_grid[np.ravel_multi_index(grid.nodes.T, (len(NODES),) * n)]
+        else:  # axis by axis: the grid holds up to MAX_MOMENT_GRID values per axis
+            log_scales = np.zeros((len(grid.p), n_w))
+            for j in range(n):
+                log_scales += ls_axes[j, grid.nodes[:, j]]
         fitted = flat(means)
         moments = draw_moments(mean_table, grid, masks[1] * log_scales, fitted, V, s)
         for shared, value in zip(view.moments, moments, strict=True):

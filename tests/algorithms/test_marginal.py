@@ -537,8 +537,9 @@ def test_data_coordinate_scales_are_evaluated_in_bounded_batches(monkeypatch):
         inf = pymc_mcssvi.HMCSSVI(random_seed=1)
         approx = inf.fit(progressbar=False)
     assert int(inf._view.on.get_value()) == 1
-    table = inf._view.log_scale_grid.get_value()
-    assert table.shape[0] == 9**3
+    # they add up: a table along each axis, the grid a placeholder row
+    assert inf._view.log_scale_axes.get_value().shape[:2] == (3, 9)
+    assert inf._view.log_scale_grid.get_value().shape[0] == 1
     hs = np.random.default_rng(0).normal(inf.kernel.hypers.base_mean.get_value()[0], 0.3, (5, 3))
     whole = inf._log_sensitivities(hs)
     monkeypatch.setattr(inference, "SENSITIVITY_BATCH_BYTES", 1)

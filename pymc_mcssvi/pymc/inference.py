@@ -131,13 +131,17 @@ START_JITTER = 0.5
 
 #: Below this many estimated flops per iteration BLAS runs on one thread.
 BLAS_THREADS_WORK = 5e8
-#: Estimated flops per iteration above which ``backend=None`` compiles the step
-#: (JAX, or numba without JAX). Measured on 2 cores: a cold numba compilation
-#: costs 40-190 s; the grouseticks GLMM with mean-field hyperparameters (6.4e7)
-#: runs 54 ms per iteration uncompiled (299 iterations: 18 s against 195 s
-#: compiled cold with numba), the 20,000-row GME (2.0e8) 8.8 s per iteration
-#: uncompiled against 2 s compiled.
-COMPILE_WORK_THRESHOLD = 1e8
+#: Estimated flops per iteration (without the blocks' factorizations) above which
+#: ``backend=None`` compiles the step (JAX, or numba without JAX). Uncompiled, the
+#: per-observation work costs 12-24 ns per estimated flop (unfused NumPy passes over
+#: rows x quadrature nodes x sigma points), JAX runs it 2.5-6x faster after 4-8 s
+#: more set-up: it pays from about 17 iterations at this threshold. Measured on 2
+#: cores: a logistic GLMM with five grouping factors and 20,000 rows (4.7e7) fits in
+#: 95 s uncompiled against 35 s with JAX; one with 60 groups and 20,000 rows (3.1e7,
+#: 16 iterations) 5.4 s against 7.5 s, a Poisson random walk of 24 x 30 (2.9e7) 6.2 s
+#: against 9.7 s; the 20,000-row GME (2.0e8) 8.8 s per iteration uncompiled
+#: against 2 s compiled.
+COMPILE_WORK_THRESHOLD = 4e7
 #: When JAX cannot run an automatically chosen step: uncompiled below this many
 #: estimated flops per iteration, numba above (random intercepts and slopes for
 #: 150 groups, 2.6e8: 4.8 s uncompiled against 60 s with a cold numba compile).
@@ -901,7 +905,7 @@ class StructuredVI(Inference):
 
         Small problems run their step with Python-level (NumPy) operations and
         skip compilation, which would dominate their wall time. Larger ones
-        (above :data:`COMPILE_WORK_THRESHOLD` estimated flops per iteration) are
+        (above :data:`COMPILE_WORK_THRESHOLD`, 4e7 estimated flops per iteration) are
         compiled: with JAX when it is installed, otherwise with numba. JAX
         compiles the same step 4-7x sooner and runs it 1.1-1.8x faster on CPU
         (InstEval matrix factorization, K = 10: first iteration after 5.4 s

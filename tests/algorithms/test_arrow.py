@@ -113,41 +113,53 @@ def test_conjugate_model_with_diagonal_effects_is_exact(rng):
     assert sd[0] < 0.8 * np.sqrt(cov[0, 0])
 
 
-def test_cross_hessian_matches_finite_differences(rng):
-    """``X_s = E[d^2 log p / d w_s d w_head]`` equals ``d g_s / d m_head`` (Price's theorem)."""
+@pytest.mark.parametrize("head", ["dense", "gathered"])
+def test_cross_hessian_matches_finite_differences(head, rng):
+    """``X_s = E[d^2 log p / d w_s d w_head]`` equals ``d g_s / d m_head`` (Price's theorem).
+
+    ``gathered``: the head also holds a small effect ``u[h]`` (10 dimensions, read
+    through a gather), so its rows take the mixed path; the crosses are scattered from
+    the head's few entries per row instead of its one-hot design."""
     G, n = 12, 150
     g = np.concatenate([np.arange(G), rng.integers(0, G, n - G)])
+    h = rng.integers(0, 8, n)
     x = rng.normal(size=n)
     y = rng.poisson(np.exp(0.3 + 0.4 * x + rng.normal(0, 0.5, G)[g]))
     with pm.Model() as m:
         b = pm.Normal("b", 0, 2, shape=2)
         a = pm.Normal("a", 0, 0.5, shape=G)
         c = pm.Normal("c", 0, 0.5, shape=G)
-        pm.Poisson("y", pm.math.exp(b[0] + b[1] * x + a[g] + c[g] * x), observed=y)
+        eta = b[0] + b[1] * x + a[g] + c[g] * x
+        if head == "gathered":
+            eta = eta + pm.Normal("u", 0, 0.5, shape=8)[h]
+        pm.Poisson("y", pm.math.exp(eta), observed=y)
     with m:
         inf = pymc_mcssvi.HMCSSVI(cov={"a": "block", "c": "block"}, random_seed=0)
     k = inf.kernel
     assert [s.kind for s in inf.tlm.segments] == ["full", "block"]
+    (hp,) = [p for p in k.bound.geometries[0].pieces if p.segment == 0]
+    assert hp.mixed == (head == "gathered")
     for mu in k.cand_mean:
         mu.set_value(mu.get_value() + 0.1 * rng.normal(size=mu.get_value().shape))
     cand = [GaussianBlocks(mu, f) for mu, f in zip(k.cand_mean, k.cand_factor, strict=True)]
     ev = k.bound.evaluate(cand)
     fn = pytensor.function([], [ev.grads[1], ev.crosses[1]])
-    head = k.cand_mean[0]
-    m0 = head.get_value()
+    head_mean = k.cand_mean[0]
+    m0 = head_mean.get_value()
+    D = m0.shape[-1]
     eps = 1e-5
     fd = []
-    for j in range(2):
+    for j in range(D):
         d = np.zeros_like(m0)
         d[0, j] = eps
-        head.set_value(m0 + d)
+        head_mean.set_value(m0 + d)
         up = fn()[0]
-        head.set_value(m0 - d)
+        head_mean.set_value(m0 - d)
         down = fn()[0]
         fd.append((up - down) / (2 * eps))
-    head.set_value(m0)
+    head_mean.set_value(m0)
     X = fn()[1]
-    assert X.shape == (G, 2, 2)
+    assert X.shape == (G, 2, D)
     np.testing.assert_allclose(X, np.stack(fd, axis=-1), rtol=1e-5, atol=1e-8)
 
 

@@ -142,6 +142,10 @@ BLAS_THREADS_WORK = 5e8
 #: against 9.7 s; the 20,000-row GME (2.0e8) 8.8 s per iteration uncompiled
 #: against 2 s compiled.
 COMPILE_WORK_THRESHOLD = 4e7
+#: The same threshold without JAX: a cold numba compilation costs 40-190 s, so the
+#: step is compiled from 1e8 (the grouseticks GLMM with mean-field hyperparameters,
+#: 299 iterations: 18 s uncompiled against 195 s compiled cold with numba).
+NUMBA_COMPILE_WORK_THRESHOLD = 1e8
 #: When JAX cannot run an automatically chosen step: uncompiled below this many
 #: estimated flops per iteration, numba above (random intercepts and slopes for
 #: 150 groups, 2.6e8: 4.8 s uncompiled against 60 s with a cold numba compile).
@@ -906,7 +910,8 @@ class StructuredVI(Inference):
         Small problems run their step with Python-level (NumPy) operations and
         skip compilation, which would dominate their wall time. Larger ones
         (above :data:`COMPILE_WORK_THRESHOLD`, 4e7 estimated flops per iteration) are
-        compiled: with JAX when it is installed, otherwise with numba. JAX
+        compiled with JAX when it is installed; otherwise with numba above
+        :data:`NUMBA_COMPILE_WORK_THRESHOLD` (1e8: its cold compilation is slow). JAX
         compiles the same step 4-7x sooner and runs it 1.1-1.8x faster on CPU
         (InstEval matrix factorization, K = 10: first iteration after 5.4 s
         against 35 s, 0.65 against 0.98 s per iteration). If JAX cannot
@@ -924,9 +929,10 @@ class StructuredVI(Inference):
         compilation against 5.1 s uncompiled, a crossed Poisson GLMM (401
         dimensions, 6.5e8) 33 s against 21 s.
         """
-        if self.work_estimate(linear_algebra=False) <= COMPILE_WORK_THRESHOLD:
-            return "python"
-        return "jax" if jax_available() else "numba"
+        work = self.work_estimate(linear_algebra=False)
+        if jax_available():
+            return "jax" if work > COMPILE_WORK_THRESHOLD else "python"
+        return "numba" if work > NUMBA_COMPILE_WORK_THRESHOLD else "python"
 
     def work_estimate(self, linear_algebra: bool = True) -> float:
         """Estimated flops of one iteration (drives the backend and BLAS-thread choices);

@@ -223,7 +223,7 @@ def test_steps_dominated_by_one_covariance_are_not_compiled():
 @pytest.mark.parametrize(
     ("groups", "backend"), [((5, 8, 12, 40, 600), "compiled"), ((60,), "python")]
 )
-def test_many_rows_of_quadrature_work_are_compiled(groups, backend):
+def test_many_rows_of_quadrature_work_are_compiled(groups, backend, monkeypatch):
     """20,000 Bernoulli rows. With five grouping factors (4.7e7 estimated flops per
     iteration) the uncompiled fit took 95 s and JAX's 35 s, compilation included; it
     ran uncompiled below the old threshold of 1e8. With one factor of 60 groups (1.4e7,
@@ -240,5 +240,8 @@ def test_many_rows_of_quadrature_work_are_compiled(groups, backend):
         inf = pymc_mcssvi.HMCSSVI(random_seed=1)
     work = inf.work_estimate(linear_algebra=False)
     assert (work > inference.COMPILE_WORK_THRESHOLD) == (backend == "compiled")
-    want = ("jax" if inference.jax_available() else "numba") if backend == "compiled" else backend
+    want = "jax" if backend == "compiled" and inference.jax_available() else "python"
     assert inf.choose_backend() == want
+    # without JAX only numba compiles, and its cold compilation costs 40-190 s
+    monkeypatch.setattr(inference, "jax_available", lambda: False)
+    assert inf.choose_backend() == "python"

@@ -446,8 +446,8 @@ class StructuredVI(Inference):
         ``"profile"`` (default) replaces the Gaussian q(h) by a
         skewed one after the fit: the bound with q(w) re-fitted is evaluated
         along each principal axis of q(h) (INLA-style, 33 points for 4
-        coordinates, after ``n (n + 1)`` for its curvature; one compiled function), and its 1-D profiles become the
-        axes' marginals (:mod:`pymc_mcssvi.algorithms.marginal`). Group-level
+        coordinates after ``n (n + 1)`` for its curvature; one compiled
+        function), and its 1-D profiles become the axes' marginals (:mod:`pymc_mcssvi.algorithms.marginal`). Group-level
         scales are skewed in log space, and the Gaussian put their posterior
         means 25-32% above NUTS's on the centered GLMM benchmarks. Kept
         Gaussian where the profile disagrees with the linear response's
@@ -1295,12 +1295,9 @@ class StructuredVI(Inference):
         if am is None:
             logger.info("Skewed q(h) not used: the profile disagrees with its curvature")
             return
-        if len(s) > MAX_UNCHECKED_HYPERS and axis_skew(am) < MIN_AXIS_SKEW:
+        if len(s) > MAX_UNCHECKED_HYPERS and (skew := axis_skew(am)) < MIN_AXIS_SKEW:
             logger.info(
-                "Skewed q(h) not used: %d axes, skew %.3f below %s",
-                len(s),
-                axis_skew(am),
-                MIN_AXIS_SKEW,
+                "Skewed q(h) not used: %d axes, skew %.3f below %s", len(s), skew, MIN_AXIS_SKEW
             )
             return
         V_sh.set_value(am.directions)
@@ -1356,7 +1353,7 @@ class StructuredVI(Inference):
         grid = moment_grid(am, mu, n_w)
         if len(ls_grid) > 1:
             log_scales = ls_grid[np.ravel_multi_index(grid.nodes.T, (len(NODES),) * n)]
-        else:  # axis by axis: the grid holds up to MAX_MOMENT_GRID values per axis
+        else:  # summed axis by axis: one (points, n_w) array at a time, not (points, n, n_w)
             log_scales = np.zeros((len(grid.p), n_w))
             for j in range(n):
                 log_scales += ls_axes[j, grid.nodes[:, j]]

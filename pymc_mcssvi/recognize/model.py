@@ -692,13 +692,8 @@ def _one_row_per_observation(tts, gaussians) -> bool:
     coupled) and for effects stored ``(effects, groups)`` (a row is an effect, read by
     every observation).
     """
-    import pytensor
-
-    g = gaussians[tts[0].source]
-    k = g.size // g.shape[0]
-    try:
-        rows = evaluate_static([tt.cols // k for tt in tts])
-    except pytensor.graph.fg.MissingInputError:
+    rows = _gather_rows(tts, gaussians)
+    if rows is None:
         return False
     first = None
     for r in rows:
@@ -712,22 +707,30 @@ def _one_row_per_observation(tts, gaussians) -> bool:
     return first is not None and np.unique(first).size > 1
 
 
-def _same_rows(tts, gaussians):
-    """Partition the sources of gather terms by identical per-observation rows."""
+def _gather_rows(tts, gaussians) -> list[np.ndarray] | None:
+    """The rows of its global each gather term reads, per observation (its flat
+    columns over the global's row width), or ``None`` when they depend on free
+    variables."""
     import pytensor
 
     exprs = []
     for tt in tts:
         g = gaussians[tt.source]
-        k = g.size // g.shape[0]
-        exprs.append(tt.cols[:, 0] // k)
+        exprs.append(tt.cols // (g.size // g.shape[0]))
     try:
-        rows = evaluate_static(exprs)
+        return evaluate_static(exprs)
     except pytensor.graph.fg.MissingInputError:
+        return None
+
+
+def _same_rows(tts, gaussians):
+    """Partition the sources of gather terms by identical per-observation rows."""
+    rows = _gather_rows(tts, gaussians)
+    if rows is None:
         return []  # rows that depend on free variables: nothing to join
     groups: list[list[int]] = []
     reps: list[np.ndarray] = []
-    for tt, r in zip(tts, rows, strict=True):
+    for tt, r in zip(tts, (np.asarray(r)[:, 0] for r in rows), strict=True):
         for grp, rep in zip(groups, reps, strict=True):
             if rep.shape == r.shape and np.array_equal(rep, r):
                 if tt.source not in grp:

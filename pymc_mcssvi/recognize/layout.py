@@ -101,12 +101,17 @@ def resolve_structure(
         if kind not in valid:
             raise ValueError(f"cov must be one of {sorted(valid)} or a dict of them, got {kind!r}")
 
-    total = sum(g.size for g in gaussians)
+    def factor_rows(i):  # a factor of a matrix factorization: one block per row
+        return bool(row_blocks) and i in row_blocks and len(gaussians[i].shape) >= 2
+
+    # the factors' blocks are not part of the one full covariance the limit is about: the
+    # biases and intercept of ``mu + a[u] + b[i] + (U[u] * V[i]).sum(-1)`` keep theirs
+    total = sum(g.size for i, g in enumerate(gaussians) if not factor_rows(i))
     limit = MAX_CROSSED_FULL_DIM if crossed else ARROW_FULL_DIM if arrow else MAX_FULL_DIM
     out = {}
     for i, g in enumerate(gaussians):
         kind = per_var.get(i, default)
-        if kind == "auto" and row_blocks and i in row_blocks and len(g.shape) >= 2:
+        if kind == "auto" and factor_rows(i):
             kind = "block"
         if kind == "auto" and total > limit and _in_joint(i, joint_blocks):
             kind = "block"

@@ -208,8 +208,9 @@ GALLERY = [
         "A non-affine model: exponential decay",
         "`a * exp(-b * t)` is not affine in `(a, b)`, but it is affine in `a` given "
         "the scalar `b`: `b` becomes a hyperparameter and the predictor is affine. "
-        "With a vector of rates (`exp(-b[group] * t)`) the likelihood would go "
-        "through the general (Monte Carlo + autodiff) path.",
+        "With a vector of rates (`exp(-b[group] * t)`) `a` and `-b[group] * t` are "
+        "two affine predictors (2-D quadrature); with a third non-linear parameter "
+        "the likelihood would go through the general (Monte Carlo + autodiff) path.",
     ),
     (
         gallery_missing,

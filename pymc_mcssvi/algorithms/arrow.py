@@ -68,7 +68,7 @@ def arrow_head(tlm) -> int | None:
         return None
     (head,) = full
     seg_of = {gid: s for s, seg in enumerate(tlm.segments) for gid in seg.members}
-    for term in tlm.predictor_terms:
+    for term in tlm.predictor_terms + [p.parts[2] for p in tlm.pair_terms]:
         segs = {seg_of[t.source] for t in term.terms}
         if head in segs and len(segs) > 1:
             return head

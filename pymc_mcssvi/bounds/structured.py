@@ -26,13 +26,19 @@ from pymc_mcssvi.algorithms.arrow import arrow_head
 from pymc_mcssvi.estimators.bilinear import BilinearEstimator
 from pymc_mcssvi.estimators.general import GeneralEstimator
 from pymc_mcssvi.estimators.predictor import PredictorGeometry
-from pymc_mcssvi.estimators.quadrature import expected_derivatives, expected_standard_normal
+from pymc_mcssvi.estimators.quadrature import (
+    expected_derivatives,
+    expected_pair_derivatives,
+    expected_standard_normal,
+)
 from pymc_mcssvi.exceptions import UnsupportedModelError
 from pymc_mcssvi.families.gaussian import GaussianBlocks, covariance, entropy
 from pymc_mcssvi.recognize.graph import evaluate_static
 
 __all__ = ["BoundEvaluation", "StructuredBound"]
 
+#: Gauss-Hermite nodes per predictor of a two-predictor likelihood (their square in all).
+PAIR_POINTS = 7
 #: Quadrature nodes (at least) for a log density with kinks in its predictor: its
 #: expectations come from Stein's lemma on the values, whose quadrature converges
 #: more slowly than for a smooth integrand (Laplace: 3% error at 32 nodes).
@@ -98,6 +104,8 @@ class StructuredBound:
             return PredictorGeometry(term, tlm.segments, seg_of, n_rows)
 
         self.geometries = [geometry(term) for term in tlm.predictor_terms]
+        #: per two-predictor term: the geometries of eta_1, eta_2 and their sum
+        self.pair_geometries = [tuple(geometry(t) for t in p.parts) for p in tlm.pair_terms]
         self.general = GeneralEstimator(tlm, n_draws=n_draws, fixed=fixed_draws, seed=seed)
         affine = [None if t.affine is None else geometry(t.affine) for t in tlm.bilinear_terms]
         self.bilinear = BilinearEstimator(
@@ -124,20 +132,13 @@ class StructuredBound:
         local_names = {lc.observed for lc in self.tlm.locals}
         total = 0.0
         for term, geom in zip(self.tlm.predictor_terms, self.geometries, strict=True):
-            rows = _numeric_size(geom.n_rows)
             per_row = 0.0 if term.gaussian else 10.0 * self.n_points
             if term.name in local_names:
                 per_row *= local_factor
-            for p in geom.pieces:
-                seg = self.tlm.segments[p.segment]
-                if p.dense_path:
-                    per_row += 4.0 * seg.dim
-                elif p.mixed:
-                    d = sum(len(c) for c, _ in p.dense)
-                    per_row += 4.0 * (d * d + 4 * d + 16)
-                else:
-                    per_row += 4.0 * max(1, seg.k) ** 2
-            total += rows * per_row
+            total += _numeric_size(geom.n_rows) * (per_row + self._design_work(geom))
+        for geoms in self.pair_geometries:
+            per_row = 6 * 10.0 * PAIR_POINTS**2 + sum(self._design_work(g) for g in geoms)
+            total += _numeric_size(geoms[0].n_rows) * per_row
         if self.general.active:
             total += 50.0 * self.general.n_draws * self.general.dim**2
         for (term, su, _), layout in zip(self.bilinear.items, self.bilinear.layouts, strict=True):
@@ -155,11 +156,27 @@ class StructuredBound:
                 total += 2.0 * seg.rows * seg.k**3
         return total
 
+    def _design_work(self, geom) -> float:
+        """Flops per predictor entry of a geometry's moments and derivatives."""
+        work = 0.0
+        for p in geom.pieces:
+            seg = self.tlm.segments[p.segment]
+            if p.dense_path:
+                work += 4.0 * seg.dim
+            elif p.mixed:
+                d = sum(len(c) for c, _ in p.dense)
+                work += 4.0 * (d * d + 4 * d + 16)
+            else:
+                work += 4.0 * max(1, seg.k) ** 2
+        return work
+
     def predictor_variances(self, states: list[GaussianBlocks]):
-        """Variance under q of each affine predictor entry (one vector per likelihood term)."""
+        """Variance under q of each affine predictor entry (one vector per predictor of
+        each likelihood term)."""
         covs = [covariance(st, self.parameterization) for st in states]
         means = [st.mean for st in states]
-        return [g.moments(means, covs, g.prepare())[1] for g in self.geometries]
+        geoms = self.geometries + [g for pair in self.pair_geometries for g in pair[:2]]
+        return [g.moments(means, covs, g.prepare())[1] for g in geoms]
 
     def sensitivities(self, n_segments: int):
         """Per segment, ``sum_i a_i^2`` over the rows of the likelihoods' affine predictors.
@@ -173,6 +190,9 @@ class StructuredBound:
         out = [None] * n_segments
         for term, geom in zip(self.tlm.predictor_terms, self.geometries, strict=True):
             if term.kind == "likelihood":
+                out = geom.column_norms(out, geom.prepare())
+        for pair in self.pair_geometries:
+            for geom in pair[:2]:
                 out = geom.column_norms(out, geom.prepare())
         return [
             pt.zeros((seg.rows, seg.k)) if c is None else c
@@ -250,6 +270,11 @@ class StructuredBound:
                 )
                 if head is not None:
                     crosses = geom.accumulate_cross(beta, head, crosses, designs)
+        for pair, geoms in zip(tlm.pair_terms, self.pair_geometries, strict=True):
+            T, grads, hessians, crosses = self._pair(
+                pair, geoms, means, covs, grads, hessians, crosses, need_derivatives, need_hessian
+            )
+            expected = expected + T
         T_gen, g_gen, H_gen = self.general.expectations(states, self.parameterization, need_hessian)
         expected = expected + T_gen
         if need_derivatives:
@@ -281,6 +306,44 @@ class StructuredBound:
         return BoundEvaluation(
             value, grads, hessians, expected + 0.5 * (T_phase[0] + T_phase[1]), ent, phase
         )
+
+    def _pair(self, pair, geoms, means, covs, grads, hessians, crosses, derivatives, hessian):
+        """A two-predictor term's expected log density, and its ``g``, ``H`` (and arrow
+        crosses) added to the lists.
+
+        The predictors' joint Gaussian per entry comes from the moments of ``eta_1``,
+        ``eta_2`` and ``eta_1 + eta_2`` (the covariance is half the sum's variance minus
+        theirs); with the expected second derivatives ``b_jk`` the Hessian
+        ``J_1' b_11 J_1 + J_2' b_22 J_2 + J_1' b_12 J_2 + J_2' b_12 J_1`` is accumulated
+        as ``J_1' (b_11 - b_12) J_1 + J_2' (b_22 - b_12) J_2 + (J_1 + J_2)' b_12 (J_1 + J_2)``
+        by the three predictors' geometries (polarization): the designs' own paths
+        (gathers, dense blocks, the arrow's crosses), nothing formed per pair.
+        """
+        shape = pair.parts[0].eta_shape
+        designs = [g.prepare() for g in geoms]
+        (m1, v1), (m2, v2), (_, vs) = [
+            g.moments(means, covs, d) for g, d in zip(geoms, designs, strict=True)
+        ]
+        v1, v2 = pt.maximum(v1, 0.0), pt.maximum(v2, 0.0)
+        c = 0.5 * (pt.maximum(vs, 0.0) - v1 - v2)
+
+        def shaped(x):
+            return x.reshape(shape) if shape else x[0]
+
+        T, (a1, a2), (b11, b12, b22) = expected_pair_derivatives(
+            pair.logp, pair.placeholders, [shaped(x) for x in (m1, v1, m2, v2, c)], PAIR_POINTS
+        )
+        if not derivatives:
+            return pt.sum(T), grads, hessians, crosses
+        a1, a2, b11, b12, b22 = (x.reshape((-1,)) for x in (a1, a2, b11, b12, b22))
+        betas = (b11 - b12, b22 - b12, b12) if hessian else (None, None, None)
+        alphas = (a1, a2, pt.zeros_like(a1))
+        head = self.arrow_head if hessian else None
+        for geom, d, a, b in zip(geoms, designs, alphas, betas, strict=True):
+            grads, hessians = geom.accumulate(a, b, grads, hessians, d)
+            if head is not None:
+                crosses = geom.accumulate_cross(b, head, crosses, d)
+        return pt.sum(T), grads, hessians, crosses
 
     @property
     def phase_segments(self):

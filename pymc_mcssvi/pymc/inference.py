@@ -613,7 +613,7 @@ class StructuredVI(Inference):
             if int(np.prod(shape)) < 2:
                 continue
             same = {gid for gid, g in enumerate(self.tlm.gaussians) if tuple(g.shape) == shape}
-            if any(self._scales_only(t, same, h.value) for t in self.tlm.predictor_terms):
+            if any(self._scales_only(t, same, h.value) for t in self.tlm.affine_predictors):
                 out.append(h.name)
         return out
 
@@ -679,7 +679,7 @@ class StructuredVI(Inference):
         """Whether a hyperparameter scales Gaussian globals: in their prior (a centered
         effect's sigma) or in the likelihoods' predictor coefficients (``sigma * z``)."""
         values = list(self.kernel.hypers.spec.values)
-        for term in self.tlm.predictor_terms:
+        for term in self.tlm.affine_predictors:
             if term.kind != "likelihood":  # a prior, whitened: its scale is in the coefficients
                 graphs = [t.vals for t in term.terms if t.vals is not None] + [term.logp]
                 if any(g is not None and depends_on_any(g, values) for g in graphs):

@@ -33,6 +33,7 @@ __all__ = [
     "GeneralTerm",
     "Hyperparameter",
     "LocalLatent",
+    "PairTerm",
     "PredictorTerm",
     "RayleighGlobal",
     "Segment",
@@ -233,6 +234,34 @@ class BilinearTerm:
 
 
 @dataclass
+class PairTerm:
+    """``sum(l(eta_1, eta_2))`` with two predictors affine in the Gaussian globals.
+
+    A likelihood with a second parameter that is also a regression (a distributional
+    model: ``Normal(X @ b, exp(Z @ c))``, bambi's ``sigma ~ x``).
+
+    Attributes
+    ----------
+    name : str
+        The observed variable.
+    placeholders : tuple of TensorVariable
+        Stand-ins for ``eta_1`` and ``eta_2`` inside :attr:`logp` (same shape).
+    logp : TensorVariable
+        Elementwise log density: entry ``n`` reads entry ``n`` of each placeholder.
+    parts : tuple of PredictorTerm
+        ``eta_1``, ``eta_2`` and their sum as affine predictors (only their terms,
+        offsets and shape are used): the expected Hessian's cross term between the
+        two predictors is written with the sum's (polarization,
+        :meth:`~pymc_mcssvi.bounds.structured.StructuredBound.evaluate`).
+    """
+
+    name: str
+    placeholders: tuple
+    logp: Variable
+    parts: tuple
+
+
+@dataclass
 class GeneralTerm:
     """A log density handled by Monte Carlo and automatic differentiation."""
 
@@ -267,10 +296,16 @@ class TwoLevelModel:
     scaling: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     bilinear_terms: list[BilinearTerm] = field(default_factory=list)
+    pair_terms: list[PairTerm] = field(default_factory=list)
     #: Ids of the Gaussian globals (matrices with the same number of rows) whose rows
     #: the general terms never couple: their Hessian comes from colored
     #: Hessian-vector products (:func:`~pymc_mcssvi.recognize.separable.separable_rows`).
     general_rows: tuple[int, ...] = ()
+
+    @property
+    def affine_predictors(self) -> list[PredictorTerm]:
+        """The affine predictor terms and each two-predictor term's two predictors."""
+        return self.predictor_terms + [t for p in self.pair_terms for t in p.parts[:2]]
 
     @property
     def gaussian_values(self) -> list[Variable]:

@@ -28,7 +28,7 @@ from pymc_mcssvi.recognize.graph import (
     is_separable,
     shape64,
 )
-from pymc_mcssvi.recognize.ir import PredictorTerm
+from pymc_mcssvi.recognize.ir import PairTerm, PredictorTerm
 from pymc_mcssvi.recognize.stabilize import stable_logp
 
 __all__ = [
@@ -38,6 +38,7 @@ __all__ = [
     "form_name",
     "likelihood_term",
     "maximal_affine_nodes",
+    "pair_term",
     "predictor_candidates",
     "split_broadcast_addends",
 ]
@@ -180,6 +181,101 @@ def likelihood_term(
             smooth=is_smooth_in(replaced, placeholder),
         )
     return None
+
+
+def pair_term(
+    name: str, logp: Variable, gvalues: dict, gshapes: dict, point: dict | None = None
+) -> PairTerm | None:
+    """A :class:`PairTerm` when ``logp`` depends on the globals through two affine predictors.
+
+    The two highest affine nodes on the paths from the globals (``mu`` and ``log_sigma``
+    of ``Normal(mu, exp(log_sigma))``, both regressions) must have the same shape, the
+    log density must be smooth in both and read, for each entry, that entry of each.
+    Returns None otherwise (the term stays general: Monte Carlo + autodiff).
+
+    Examples
+    --------
+    >>> import numpy as np, pymc as pm
+    >>> from pymc_mcssvi.recognize.graph import remove_checks
+    >>> x = np.linspace(-1, 1, 20)
+    >>> with pm.Model() as m:
+    ...     b = pm.Normal("b", 0, 1, shape=2)
+    ...     c = pm.Normal("c", 0, 1, shape=2)
+    ...     y = pm.Normal("y", b[0] + b[1] * x, pm.math.exp(c[0] + c[1] * x), observed=x)
+    >>> logp = remove_checks(m.logp(vars=[y], sum=False)[0])
+    >>> bv, cv = m.rvs_to_values[b], m.rvs_to_values[c]
+    >>> term = pair_term("y", logp, {bv: 0, cv: 1}, {bv: (2,), cv: (2,)})
+    >>> [sorted({t.source for t in part.terms}) for part in term.parts]  # (mu, sigma): order of the graph
+    [[1], [0], [0, 1]]
+    """
+    lin = _Linearizer(gvalues, gshapes)
+    logp, _ = split_broadcast_addends(logp, lin)
+    cuts = maximal_affine_nodes(logp, lin)
+    if len(cuts) != 2 or cuts[0].ndim != cuts[1].ndim:
+        return None
+    shapes = [lin.shape_of(v) for v in cuts]
+    try:
+        sizes = [np.asarray(evaluate_static([pt.as_tensor(s, dtype="int64")])[0]) for s in shapes]
+    except Exception:
+        return None
+    if sizes[0].size and np.any((sizes[0] != sizes[1]) & (sizes[0] != 1) & (sizes[1] != 1)):
+        return None
+    # a predictor broadcast along the other's rows (a scalar `a` in `a * exp(-b[g] * t)`)
+    # is read at every row: the placeholders have the full shape, the graph rebuilt on them
+    full = tuple(int(max(a, b)) for a, b in zip(sizes[0], sizes[1], strict=True))
+    shape = shapes[0] if tuple(int(a) for a in sizes[0]) == full else shapes[1]
+    bcast = tuple(a and b for a, b in zip(*(v.type.broadcastable for v in cuts), strict=True))
+    holders = tuple(
+        pt.tensor(dtype=v.dtype, shape=tuple(1 if b else None for b in bcast)) for v in cuts
+    )
+    for i, ph in enumerate(holders):
+        ph.name = f"{name}_predictor_{i + 1}"
+    try:
+        replaced = _rebuild(logp, dict(zip(cuts, holders, strict=True)))
+    except Exception:  # an op that cannot take the broadcast predictor at full shape
+        return None
+    if depends_on_any(replaced, lin.wrt):
+        return None
+    if not all(is_separable(replaced, ph) and is_smooth_in(replaced, ph) for ph in holders):
+        return None
+    forms = [lin(v) for v in cuts]
+    check_indices(name, lin)
+
+    def part(terms, offset):
+        return PredictorTerm(
+            name=name,
+            eta_shape=shape,
+            offset=offset,
+            terms=flatten_terms(terms, shape),
+            placeholder=None,
+            logp=None,
+            form=_form_of(terms),
+        )
+
+    (f1, f2) = forms
+    offset = f1.offset if f2.offset is None else (f2.offset if f1.offset is None else None)
+    if f1.offset is not None and f2.offset is not None:
+        offset = f1.offset + f2.offset
+    parts = (
+        part(f1.terms, f1.offset),
+        part(f2.terms, f2.offset),
+        part(f1.terms + f2.terms, offset),
+    )
+    return PairTerm(name=name, placeholders=holders, logp=stable_logp(replaced), parts=parts)
+
+
+def _rebuild(out: Variable, replace: dict) -> Variable:
+    """``out`` with the variables in ``replace`` replaced, every node above them made
+    anew from its inputs (``graph_replace`` keeps each node's output type, pinning a
+    broadcast input's length 1 with ``SpecifyShape``)."""
+    memo = dict(replace)
+    for node in io_toposort(list(graph_inputs([out])), [out]):
+        if any(o in replace for o in node.outputs):
+            continue  # replaced as a whole (``log_alpha[g] - eta`` reads ``log_alpha[g]``)
+        if any(i in memo for i in node.inputs):
+            new = node.op.make_node(*[memo.get(i, i) for i in node.inputs])
+            memo.update(zip(node.outputs, new.outputs, strict=True))
+    return memo.get(out, out)
 
 
 #: Element-wise ops with a kink or a jump in their arguments.

@@ -46,6 +46,7 @@ from pymc_mcssvi.recognize.likelihood import (
     flatten_terms,
     form_name,
     likelihood_term,
+    pair_term,
 )
 from pymc_mcssvi.recognize.roles import (
     NON_GAUSSIAN_PRIORS,
@@ -68,6 +69,8 @@ MAX_GENERAL_DIM = 2000
 #: ``describe``'s form (and the general term's reason) of a bilinear product with
 #: other terms of the globals next to it.
 MIXED_BILINEAR = "general (bilinear + other terms)"
+#: ``describe``'s form of a likelihood with two affine predictors (:class:`PairTerm`).
+PAIR_FORM = "two affine predictors"
 #: ``describe``'s form of a bilinear product plus terms affine in other globals.
 BILINEAR_PLUS = "bilinear + affine"
 
@@ -152,6 +155,7 @@ def _recognize(model, cov, bound, inner, n_inner) -> TwoLevelModel:
     bilinear_sources: set[int] = set()
     by_column: set[int] = set()  # factors stored (K, rows): blocks are columns
     bilinear_terms = []
+    pair_terms = []
     for obs in model.observed_RVs:
         op, _ = base_op(obs)
         scaling[obs.name] = _scaling(model, obs)
@@ -207,6 +211,11 @@ def _recognize(model, cov, bound, inner, n_inner) -> TwoLevelModel:
                 predictor_terms.append(term)
                 forms[obs.name] = form_name(term) + suffix
                 continue
+            pair = None if obs.name in local_of else pair_term(obs.name, logp, gvalues, gshapes)
+            if pair is not None:
+                pair_terms.append(pair)
+                forms[obs.name] = PAIR_FORM + suffix
+                continue
             bil = bilinear_term(obs.name, logp, gvalues, gshapes, point)
             if bil is not None:
                 bilinear_terms.append(bil)
@@ -239,6 +248,7 @@ def _recognize(model, cov, bound, inner, n_inner) -> TwoLevelModel:
 
     # the terms added to a bilinear product read the globals as any affine predictor
     affine_terms = predictor_terms + [b.affine for b in bilinear_terms if b.affine is not None]
+    affine_terms += [p.parts[2] for p in pair_terms]  # both predictors' globals, as one
     joint = _joint_blocks(affine_terms, gaussians)
     crossed = _crossed_factors(affine_terms, gaussians, joint)
     arrow = not (crossed or general_terms or bilinear_terms) and _arrow_suffices(
@@ -263,6 +273,7 @@ def _recognize(model, cov, bound, inner, n_inner) -> TwoLevelModel:
         scaling=scaling,
         notes=notes,
         bilinear_terms=bilinear_terms,
+        pair_terms=pair_terms,
     )
     if general_terms:
         _check_general_dim(tlm, roles.initial_point)

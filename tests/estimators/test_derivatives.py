@@ -108,7 +108,8 @@ def test_nonlinear_general_path_gradient_and_hessian(rng):
     with pm.Model():
         a = pm.Normal("a", 1, 1)
         b = pm.Normal("b", 0.5, 0.5, shape=2)
-        pm.Normal("y", a * pm.math.exp(-b[grp] * t), 0.1, observed=y)
+        # b[grp] also alone (a third predictor besides a and -b[grp] t): the general path
+        pm.Normal("y", a * pm.math.exp(-b[grp] * t - 0.1 * b[grp] ** 2), 0.1, observed=y)
         inf = pymc_mcssvi.MCSSVI(n_draws=16)
     assert inf.tlm.observed["y"] == "general"
     k, fn = _functions(inf)
@@ -226,21 +227,27 @@ def _gathered_models(rng):
         b = pm.Normal("b", 0, 2, shape=n_items)
         log_a = pm.Normal("log_a", 0, 0.5, shape=n_items)
         a = pm.Deterministic("a", pm.math.exp(log_a))
-        pm.Bernoulli("y", logit_p=a[ii] * (th[pp] - b[ii]), observed=rng.integers(0, 2, pp.size))
-    w, lo = rng.integers(0, P, 30), rng.integers(0, P, 30)
-    with pm.Model() as paired:  # the same global read twice per observation
+        # a person-specific factor on the discrimination: three predictors, the general
+        # path (the plain 2PL's two, log_a[item] and theta - b, are a two-predictor term)
         s = pm.Normal("s", 0, 1, shape=P)
-        eta = pm.math.exp(s[w]) - pm.math.exp(s[lo])
+        logit = a[ii] * (th[pp] - b[ii]) * (1 + 0.1 * s[pp])
+        pm.Bernoulli("y", logit_p=logit, observed=rng.integers(0, 2, pp.size))
+    w, lo, w3 = rng.integers(0, P, 30), rng.integers(0, P, 30), rng.integers(0, P, 30)
+    with pm.Model() as paired:  # the same global read three times per observation
+        s = pm.Normal("s", 0, 1, shape=P)
+        eta = pm.math.exp(s[w]) - pm.math.exp(s[lo]) + 0.5 * pm.math.tanh(s[w3])
         pm.Bernoulli("y", logit_p=eta, observed=rng.integers(0, 2, 30))
         # a second general term, of another length
-        u, v = rng.integers(0, P, 9), rng.integers(0, P, 9)
-        mu = pm.math.exp(0.5 * s[u]) + pm.math.exp(-s[v])
+        u, v, u3 = rng.integers(0, P, 9), rng.integers(0, P, 9), rng.integers(0, P, 9)
+        mu = pm.math.exp(0.5 * s[u]) + pm.math.exp(-s[v]) + pm.math.exp(s[u3] - 2)
         pm.Poisson("z", mu=mu, observed=rng.poisson(2.0, 9))
     g, t = np.repeat(np.arange(5), 6), np.tile(np.linspace(0, 3, 6), 5)
     with pm.Model() as curves:  # per-group effects, joint rows in the block layout
         amp = pm.Normal("amp", 1, 1, shape=5)
         rate = pm.Normal("rate", 0.5, 0.3, shape=5)
-        pm.Normal("y", amp[g] * pm.math.exp(-rate[g] * t), 0.2, observed=rng.normal(size=30))
+        base = pm.Normal("base", 0, 1, shape=5)  # a third predictor: the general path
+        mean = base[g] + amp[g] * pm.math.exp(-rate[g] * t)
+        pm.Normal("y", mean, 0.2, observed=rng.normal(size=30))
     return {"two_pl": two_pl, "paired": paired, "curves": curves}
 
 

@@ -48,10 +48,11 @@ def test_hessian_directions_above_the_limit_name_the_term():
 
 
 def test_group_effects_of_a_non_affine_likelihood_are_separable():
-    """Vectors of group effects are rows of one entry: ``a[g]`` and ``log_alpha[g]`` in a
-    negative binomial (a general term, both parameters depend on Gaussian globals) form
-    one separable set; fixed effects with as many entries as there are groups couple and
-    are left out (the set is tried again without them)."""
+    """Vectors of group effects are rows of one entry: ``a[g]``, ``log_alpha[g]`` and
+    ``c[g]`` in a zero-inflated negative binomial (a general term: its three parameters
+    depend on Gaussian globals) form one separable set; fixed effects with as many
+    entries as there are groups couple and are left out (the set is tried again without
+    them)."""
     import numpy as np
 
     rng = np.random.default_rng(3)
@@ -62,12 +63,14 @@ def test_group_effects_of_a_non_affine_likelihood_are_separable():
         a = pm.Normal("a", 0, 1, shape=G)
         log_alpha = pm.Normal("log_alpha", 1, 0.5, shape=G)
         b = pm.Normal("b", 0, 1, shape=G)
-        pm.NegativeBinomial(
+        c = pm.Normal("c", -1, 0.5, shape=G)
+        pm.ZeroInflatedNegativeBinomial(
             "y",
+            psi=pm.math.sigmoid(c[g]),
             mu=pm.math.exp(a[g] + X @ b),
             alpha=pm.math.exp(log_alpha)[g],
             observed=rng.poisson(2.0, N),
         )
     tlm = recognize(m)
     assert tlm.observed["y"] == "general"
-    assert [tlm.gaussians[i].name for i in tlm.general_rows] == ["a", "log_alpha"]
+    assert [tlm.gaussians[i].name for i in tlm.general_rows] == ["a", "log_alpha", "c"]

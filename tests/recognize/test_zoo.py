@@ -143,7 +143,7 @@ ZOO: dict[str, dict] = {
     # two predictors (location and log scale)
     "heteroskedastic": dict(
         roles={"w": GAUSS, "v": GAUSS},
-        predictor={"y": "general"},
+        predictor={"y": "two affine predictors"},
         q={"w": "full (6 x 6) with v", "v": "full (6 x 6) with w"},
     ),
     # A Laplace prior on the real line: a Gaussian global whose prior is a quadrature term

@@ -300,6 +300,8 @@ def is_smooth_in(logp: Variable, x: Variable) -> bool:
     (False, True)
     >>> is_smooth_in(pt.sign(f) * f**2, f), is_smooth_in(f * pt.abs(f.shape[0] - 2), f)
     (False, True)
+    >>> is_smooth_in(pt.log(pt.abs(pt.exp(f))), f)  # |exp(f)| is exp(f)
+    True
     """
     from pytensor.graph.traversal import io_toposort
     from pytensor.tensor.elemwise import Elemwise
@@ -311,8 +313,26 @@ def is_smooth_in(logp: Variable, x: Variable) -> bool:
             continue  # a shape is not a function of the values
         depends.update(node.outputs)
         if isinstance(node.op, Elemwise) and type(node.op.scalar_op).__name__ in _KINKED:
-            return False
+            if not _of_positive(node):
+                return False
     return True
+
+
+#: Element-wise ops whose output is positive wherever it is finite.
+_POSITIVE = ("Exp", "Softplus", "Sigmoid")
+
+
+def _of_positive(node) -> bool:
+    """``sign`` or ``abs`` of a positive quantity (PyMC's StudentT reads ``sign(sigma)``
+    of a ``sigma = exp(...)``): constant or the identity, no kink."""
+    if type(node.op.scalar_op).__name__ not in ("Sign", "Abs") or len(node.inputs) != 1:
+        return False
+    owner = node.inputs[0].owner
+    return (
+        owner is not None
+        and isinstance(owner.op, Elemwise)
+        and type(owner.op.scalar_op).__name__ in _POSITIVE
+    )
 
 
 def check_indices(name: str, lin: _Linearizer) -> None:

@@ -20,7 +20,7 @@ from pytensor.tensor.blockwise import Blockwise
 from pytensor.tensor.elemwise import DimShuffle, Elemwise
 from pytensor.tensor.math import Dot, Sum
 
-from pymc_mcssvi.recognize.affine import LinearTerm, _Linearizer
+from pymc_mcssvi.recognize.affine import LinearTerm, _add_offsets, _Linearizer
 from pymc_mcssvi.recognize.graph import (
     depends_on_any,
     evaluate_static,
@@ -183,9 +183,7 @@ def likelihood_term(
     return None
 
 
-def pair_term(
-    name: str, logp: Variable, gvalues: dict, gshapes: dict, point: dict | None = None
-) -> PairTerm | None:
+def pair_term(name: str, logp: Variable, gvalues: dict, gshapes: dict) -> PairTerm | None:
     """A :class:`PairTerm` when ``logp`` depends on the globals through two affine predictors.
 
     The two highest affine nodes on the paths from the globals (``mu`` and ``log_sigma``
@@ -253,13 +251,10 @@ def pair_term(
         )
 
     (f1, f2) = forms
-    offset = f1.offset if f2.offset is None else (f2.offset if f1.offset is None else None)
-    if f1.offset is not None and f2.offset is not None:
-        offset = f1.offset + f2.offset
     parts = (
         part(f1.terms, f1.offset),
         part(f2.terms, f2.offset),
-        part(f1.terms + f2.terms, offset),
+        part(f1.terms + f2.terms, _add_offsets(f1.offset, f2.offset)),
     )
     return PairTerm(name=name, placeholders=holders, logp=stable_logp(replaced), parts=parts)
 

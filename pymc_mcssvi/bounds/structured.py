@@ -179,8 +179,12 @@ class StructuredBound:
         each likelihood term)."""
         covs = [covariance(st, self.parameterization) for st in states]
         means = [st.mean for st in states]
-        geoms = self.geometries + [g for pair in self.pair_geometries for g in pair[:2]]
+        geoms = self.geometries + self._pair_predictor_geometries()
         return [g.moments(means, covs, g.prepare())[1] for g in geoms]
+
+    def _pair_predictor_geometries(self):
+        """The two predictors' geometries of every two-predictor term (not their sum's)."""
+        return [g for pair in self.pair_geometries for g in pair[:2]]
 
     def sensitivities(self, n_segments: int):
         """Per segment, ``sum_i a_i^2`` over the rows of the likelihoods' affine predictors.
@@ -195,9 +199,8 @@ class StructuredBound:
         for term, geom in zip(self.tlm.predictor_terms, self.geometries, strict=True):
             if term.kind == "likelihood":
                 out = geom.column_norms(out, geom.prepare())
-        for pair in self.pair_geometries:
-            for geom in pair[:2]:
-                out = geom.column_norms(out, geom.prepare())
+        for geom in self._pair_predictor_geometries():
+            out = geom.column_norms(out, geom.prepare())
         return [
             pt.zeros((seg.rows, seg.k)) if c is None else c
             for c, seg in zip(out, self.tlm.segments, strict=True)

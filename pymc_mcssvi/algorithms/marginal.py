@@ -765,10 +765,13 @@ MAX_MOMENT_DRAWS = 20000
 MAX_MOMENT_RANK = 729
 
 
-def moment_grid(marginal: AxisMarginal, centre_h, size: int) -> MomentGrid:
+def moment_grid(marginal: AxisMarginal, centre_h, size: int, node_weights=None) -> MomentGrid:
     """The tensor grid of the axis marginal's nodes (independent axes), or equally
     weighted draws from it (at most :data:`MAX_MOMENT_DRAWS`) when ``9^n`` points
-    times ``size`` coordinates exceed :data:`MAX_MOMENT_GRID`.
+    times ``size`` coordinates exceed :data:`MAX_MOMENT_GRID`. ``node_weights``
+    (``(len(NODES)^n,)``, row-major over :data:`NODES`), when given, replace the
+    product of the axes' weights (a joint q(h), see
+    :mod:`~pymc_mcssvi.algorithms.profile_grid`).
 
     Examples
     --------
@@ -786,6 +789,8 @@ def moment_grid(marginal: AxisMarginal, centre_h, size: int) -> MomentGrid:
     if len(z) ** n * size <= MAX_MOMENT_GRID:
         points = np.indices((len(z),) * n).reshape(n, -1).T
         p = np.prod(weights[np.arange(n), points], axis=1)
+        if node_weights is not None:
+            p = np.reshape(node_weights, (len(NODES),) * n)[tuple(order[points].T)]
     else:
         rng = np.random.default_rng(0)
         m = int(max(min(MAX_MOMENT_GRID // max(size, 1), MAX_MOMENT_DRAWS), 1))

@@ -19,6 +19,7 @@ from pytensor.ifelse import ifelse
 from xarray import DataArray, Dataset
 
 from pymc_mcssvi.algorithms.marginal import grid_interpolation, node_interpolation, table_transform
+from pymc_mcssvi.algorithms.profile_grid import conditional_transform
 from pymc_mcssvi.families.gaussian import GaussianBlocks, covariance, sample
 from pymc_mcssvi.pymc.python_vm import graph_building
 
@@ -168,7 +169,12 @@ class StructuredGaussianGroup(Group):
     An optional ``marginal=(on, V, s, T, shift, cov)`` (shared variables, see
     :mod:`~pymc_mcssvi.algorithms.marginal`) replaces the Gaussian by the
     skewed axis marginal while ``on`` is 1; ``center`` stays the Gaussian's
-    mean (the point other groups' linear responses are taken at).
+    mean (the point other groups' linear responses are taken at). An optional
+    ``grid=(on, D, T, C, rows)`` (shared variables, see
+    :mod:`~pymc_mcssvi.algorithms.profile_grid`) replaces both, while its
+    ``on`` is 1, by draws ``h = center + D t`` of the profile on a grid: ``t_1``
+    by the quantile table ``T[0]``, ``t_2`` (two coordinates) by the
+    conditional tables ``C`` at ``rows`` of ``t_1``.
     An optional ``view`` (:class:`ConditionalView`) replaces q's own factors
     in the draws (by ``view.factors``) and in ``std`` and ``cov`` (by
     ``view.moment_factors``) while ``view.on`` is 1, scales each draw's noise
@@ -195,6 +201,7 @@ class StructuredGaussianGroup(Group):
         self.response = kw.get("response")
         self.arrow = kw.get("arrow")
         self.marginal = kw.get("marginal")
+        self.grid = kw.get("grid")
         self.view = kw.get("view")
         if self.view is not None and self.arrow is not None:
             raise ValueError("a factor view and the arrow view cannot be combined")
@@ -309,6 +316,12 @@ class StructuredGaussianGroup(Group):
             on, V, s, T, _, _ = self.marginal
             skewed = self.center[None, :] + (s * table_transform(eps, T)) @ V.T
             out = pt.switch(pt.eq(on, 1), skewed, out)
+        if self.grid is not None:
+            on, D, T, C, rows = self.grid
+            t = table_transform(eps[:, :1], T[:1])
+            if self.ddim == 2:
+                t = pt.stack([t[:, 0], conditional_transform(t[:, 0], eps[:, 1], C, rows)], axis=1)
+            out = pt.switch(pt.eq(on, 1), self.center[None, :] + D * t, out)
         # the fit's tables are float64: draws in floatX, as PyMC's groups give them
         # (``sample_node`` substitutes them for floatX value variables)
         return out.astype(eps.dtype)

@@ -25,6 +25,9 @@ are the ones with few groups); larger samples keep the linear-response draws.
 
 from __future__ import annotations
 
+import itertools
+from typing import NamedTuple
+
 import numpy as np
 import pytensor.tensor as pt
 from pymc.pytensorf import compile as pm_compile
@@ -38,10 +41,12 @@ from threadpoolctl import threadpool_limits
 
 from pymc_mcssvi.algorithms.hyperparameters import shapes_at_fixed
 from pymc_mcssvi.algorithms.marginal import REFIT_TOL, refit_graph
+from pymc_mcssvi.algorithms.profile_grid import LADDER
 from pymc_mcssvi.pymc.python_vm import graph_building, python_few_calls_mode
 
 __all__ = [
     "BATCH_BYTES",
+    "GridNodes",
     "EXACT_CONDITIONAL_BYTES",
     "EXACT_CONDITIONAL_WORK",
     "EXPECTED_STEPS",
@@ -91,6 +96,29 @@ BATCH_BYTES = 2**27
 MAX_INLINE_LEVELS = 10
 
 
+class GridNodes(NamedTuple):
+    """q(w | h) re-fitted at the nodes of the gridded q(h)
+    (:mod:`~pymc_mcssvi.algorithms.profile_grid`): ``h = centre + scales *
+    LADDER[index]``.
+
+    Attributes
+    ----------
+    centre, scales : np.ndarray
+        ``(n_h,)`` the grid's centre and coordinate scales.
+    index : np.ndarray
+        ``(m, n_h)`` the nodes' positions in :data:`~pymc_mcssvi.algorithms.profile_grid.LADDER`.
+    means, factors : list of np.ndarray
+        Per segment, the re-fitted means ``(m, R, K)`` and precision Cholesky factors
+        ``(m, R, K, K)``.
+    """
+
+    centre: np.ndarray
+    scales: np.ndarray
+    index: np.ndarray
+    means: list
+    factors: list
+
+
 class ConditionalGlobals:
     """``samples -> {name: draws}``: the Gaussian globals re-drawn from q(w | h) at each ``h``.
 
@@ -103,6 +131,13 @@ class ConditionalGlobals:
         The Gaussian globals' group (its ``ordering`` and ``flat_maps``).
     work_per_draw : float
         Estimated flops of one natural step for one draw.
+
+    Attributes
+    ----------
+    nodes : GridNodes or None
+        Set by a fit whose q(h) is gridded: where re-fitting every draw is not
+        affordable, each draw takes q(w | h) from the nearest node (in the grid's
+        scales), its mean moved to the draw's ``h`` by the linear response.
     """
 
     def __init__(self, kernel, model, group, work_per_draw):
@@ -110,6 +145,7 @@ class ConditionalGlobals:
         self.model = model
         self.group = group
         self.work_per_draw = float(max(work_per_draw, 1.0))
+        self.nodes = None
         self._fn = None
         self._per_draw = None
 
@@ -191,23 +227,37 @@ class ConditionalGlobals:
         step.fn = fn
         return step
 
-    def refit(self, hs, max_steps=MAX_CONDITIONAL_STEPS):
-        """Re-fitted ``(means, factors, ok)`` of q(w | h) for a batch of draws ``hs``.
+    def refit(self, hs, max_steps=MAX_CONDITIONAL_STEPS, start=None):
+        """Re-fitted ``(means, factors, values)`` of q(w | h) for a batch of draws ``hs``.
 
         ``hs`` lists the hyperparameters' draws by value variable, each ``(n, ...)``;
-        ``ok`` marks the draws whose bound was finite at the start.
+        ``values`` are the bounds of the re-fitted q(w | h) (the profile at each draw),
+        ``-inf`` where the bound was not finite at the start. Each re-fit starts from
+        the fitted q(w) moved to its ``h`` by the linear response, or with ``start =
+        (means, factors, at)`` (``(n, ...)`` each, ``at`` the flat ``h`` they were
+        fitted at) from those, moved by it.
         """
         if self._fn is None:
             self._fn = self._compile()
         k, hyp = self.kernel, self.kernel.hypers
         n = hs[0].shape[0]
-        mu = hyp.base_mean.get_value()[0]
-        dh = np.concatenate([h.reshape(n, -1) for h in hs], axis=1) - mu
-        means = [
-            m.get_value()[None] + np.tensordot(dh, U.get_value(), [[1], [-1]])
-            for m, U in zip(k.base_mean, hyp.lr_responses, strict=True)
-        ]
-        factors = [np.broadcast_to(f.get_value(), (n, *f.get_value().shape)) for f in k.base_factor]
+        flat_h = np.concatenate([h.reshape(n, -1) for h in hs], axis=1)
+        if start is None:
+            dh = flat_h - hyp.base_mean.get_value()[0]
+            means = [
+                m.get_value()[None] + np.tensordot(dh, U.get_value(), [[1], [-1]])
+                for m, U in zip(k.base_mean, hyp.lr_responses, strict=True)
+            ]
+            factors = [
+                np.broadcast_to(f.get_value(), (n, *f.get_value().shape)) for f in k.base_factor
+            ]
+        else:
+            start_means, factors, at = start
+            dh = flat_h - at
+            means = [
+                m + np.tensordot(dh, U.get_value(), [[1], [-1]])
+                for m, U in zip(start_means, hyp.lr_responses, strict=True)
+            ]
         best_v = np.full(n, -np.inf)
         best_m, best_f = [m.copy() for m in means], [np.array(f) for f in factors]
         rho, retry, done = np.ones(n), np.zeros(n, bool), np.zeros(n, bool)
@@ -237,27 +287,30 @@ class ConditionalGlobals:
             retry = bad
             if np.all(done | ~np.isfinite(best_v) | (rho < 1 / 16)):
                 break
-        return best_m, best_f, np.isfinite(best_v)
+        return best_m, best_f, best_v
 
     def __call__(self, samples, random_seed=None):
         """New draws of the Gaussian globals (by value-variable name); ``{}`` when not affordable."""
         spec = self.kernel.hypers.spec
         names = [v.name for v in spec.values]
         n = int(np.asarray(samples[names[0]]).shape[0])
-        if not self.affordable(n):
+        if not self.affordable(n) and self.nodes is None:
             return {}
         first = [np.asarray(samples[nm], dtype="float64")[[0, min(1, n - 1)]] for nm in names]
         g = self.group
         flat = np.empty((n, g.ddim))
         keep = np.ones(n, bool)
+        rng = np.random.default_rng(random_seed)
         # small blocks, one LAPACK call each: threads cost more than they save (see
         # StructuredVI._blas_limits), badly so on a busy machine (1 ms per 8 x 8 solve)
         with threadpool_limits(limits=1, user_api="blas"), np.errstate(all="ignore"):
-            if not self.affordable(n, first):
+            if self.affordable(n) and self.affordable(n, first):
+                size = int(max(1, min(n, BATCH_BYTES // self._measure(first)[0])))
+                self._draw(samples, names, n, size, rng, flat, keep)
+            elif self.nodes is not None:
+                self._draw_from_nodes(samples, names, n, rng, flat, keep)
+            else:
                 return {}
-            size = int(max(1, min(n, BATCH_BYTES // self._measure(first)[0])))
-            rng = np.random.default_rng(random_seed)
-            self._draw(samples, names, n, size, rng, flat, keep)
         out = {}
         for name, (_, slc, shape, _) in g.ordering.items():
             old = np.asarray(samples[name])
@@ -270,13 +323,56 @@ class ConditionalGlobals:
         for lo in range(0, n, size):
             sl = slice(lo, min(n, lo + size))
             hs = [np.asarray(samples[nm][sl], dtype="float64") for nm in names]
-            means, factors, ok = self.refit(hs)
-            keep[sl] = ~ok
+            means, factors, values = self.refit(hs)
+            keep[sl] = ~np.isfinite(values)
             for m, L, idx in zip(means, factors, g.flat_maps, strict=True):
                 e = rng.standard_normal(m.shape)
                 # w = m + L^{-T} e
                 noise = np.linalg.solve(np.swapaxes(L, -1, -2), e[..., None])[..., 0]
                 flat[sl, np.asarray(idx).reshape(-1)] = (m + noise).reshape(m.shape[0], -1)
+
+    def _draw_from_nodes(self, samples, names, n, rng, flat, keep):
+        """Draws of q(w | h) interpolated between the grid's nodes: on the cell of the
+        nodes around each ``h``, the means multilinearly and the noise ``L^{-T} e`` with
+        the same ``e`` at every corner; from the nearest node (its mean moved by the
+        linear response) where a corner was not evaluated."""
+        nodes, g = self.nodes, self.group
+        H = np.concatenate(
+            [np.asarray(samples[nm], dtype="float64").reshape(n, -1) for nm in names], axis=1
+        )
+        keep[:] = ~np.all(np.isfinite(H), axis=1)
+        H = np.where(keep[:, None], nodes.centre, H)
+        responses = [U.get_value() for U in self.kernel.hypers.lr_responses]
+        n_h = H.shape[1]
+        row = {tuple(i): r for r, i in enumerate(nodes.index.tolist())}
+        t = (H - nodes.centre) / nodes.scales
+        cell = np.clip(np.searchsorted(LADDER, t, side="right") - 1, 0, len(LADDER) - 2)
+        frac = np.clip((t - LADDER[cell]) / (LADDER[cell + 1] - LADDER[cell]), 0.0, 1.0)
+        corners = np.array(list(itertools.product((0, 1), repeat=n_h)))
+        rows = np.array(
+            [[row.get(tuple(c), -1) for c in cell + corner] for corner in corners]
+        )  # (2^n, draws)
+        weights = np.prod(np.where(corners[:, None, :] == 1, frac, 1.0 - frac), axis=2)
+        inside = np.all(rows >= 0, axis=0)
+        nearest = np.zeros(n, dtype="int64")
+        for i in np.flatnonzero(~inside):  # only draws whose cell was not evaluated
+            nearest[i] = np.argmin(((nodes.index - (cell[i] + np.rint(frac[i]))) ** 2).sum(1))
+        rows = np.where(inside, rows, nearest)
+        weights = np.where(inside, weights, 0.0)
+        weights[0] = np.where(inside, weights[0], 1.0)
+        h_nodes = nodes.centre + LADDER[nodes.index] * nodes.scales
+        dh = np.where(inside[:, None], 0.0, H - h_nodes[nearest])
+        for m, L, U, idx in zip(nodes.means, nodes.factors, responses, g.flat_maps, strict=True):
+            e = rng.standard_normal((n, *m.shape[1:]))
+            out = np.tensordot(dh, U, [[1], [-1]])
+            # L^{-T} once per node, not per draw and corner
+            A = np.linalg.solve(
+                np.swapaxes(L, -1, -2), np.broadcast_to(np.eye(L.shape[-1]), L.shape)
+            )
+            for r, w in zip(rows, weights, strict=True):
+                noise = np.einsum("drij,drj->dri", A[r], e)
+                out += _expand(w, m[r]) * (m[r] + noise)
+            flat[:, np.asarray(idx).reshape(-1)] = out.reshape(n, -1)
 
 
 def _inlined(inputs, outputs):

@@ -68,6 +68,14 @@ from pymc_mcssvi.algorithms.marginal import (
 )
 from pymc_mcssvi.algorithms.mcssvi import MCSSVIStep
 from pymc_mcssvi.algorithms.optimizers import make_optimizer
+from pymc_mcssvi.algorithms.profile_grid import (
+    LADDER,
+    MAX_GRID_HYPERS,
+    MAX_GRID_POINTS,
+    GridMarginal,
+    grid_marginal,
+    grow_grid,
+)
 from pymc_mcssvi.algorithms.rayleigh import RayleighGlobals
 from pymc_mcssvi.algorithms.schedules import make_schedule
 from pymc_mcssvi.algorithms.sdsvi import SDSVIStep
@@ -83,7 +91,12 @@ from pymc_mcssvi.pymc.approximation import (
     StructuredApproximation,
     StructuredGaussianGroup,
 )
-from pymc_mcssvi.pymc.conditional import ConditionalGlobals, held_bytes
+from pymc_mcssvi.pymc.conditional import (
+    BATCH_BYTES,
+    ConditionalGlobals,
+    GridNodes,
+    held_bytes,
+)
 from pymc_mcssvi.pymc.locals import (
     LocalGroup,
     LocalMoments,
@@ -803,7 +816,7 @@ class StructuredVI(Inference):
             n = k.hypers.spec.size
             seg = Segment("full", 1, n, [0])
             lr = self.linear_response and k.coupled
-            self._marginal = None
+            self._marginal, self._grid = None, None
             if lr and self.hyper_marginal == "profile" and n <= MAX_CORRECTED_HYPERS:
                 self._marginal = (
                     pytensor.shared(np.int8(0), name="hyper_marginal_on"),
@@ -812,6 +825,14 @@ class StructuredVI(Inference):
                     pytensor.shared(np.tile(EPS_GRID, (n, 1)), name="hyper_marginal_table"),
                     pytensor.shared(np.zeros(n), name="hyper_marginal_shift"),
                     pytensor.shared(np.eye(n), name="hyper_marginal_cov"),
+                )
+            if self._marginal is not None and n <= MAX_GRID_HYPERS:
+                self._grid = (
+                    pytensor.shared(np.int8(0), name="hyper_grid_on"),
+                    pytensor.shared(np.ones(n), name="hyper_grid_scales"),
+                    pytensor.shared(np.tile(EPS_GRID, (n, 1)), name="hyper_grid_table"),
+                    pytensor.shared(np.tile(EPS_GRID, (2, 1)), name="hyper_grid_conditional"),
+                    pytensor.shared(np.array([0.0, 1.0]), name="hyper_grid_rows"),
                 )
             hyper_group = StructuredGaussianGroup(
                 [h.rv for h in tlm.hypers],
@@ -822,6 +843,7 @@ class StructuredVI(Inference):
                 means=[k.hypers.base_mean],
                 factors=[k.hypers.lr_factor if lr else k.hypers.base_factor],
                 marginal=self._marginal,
+                grid=self._grid,
             )
             if lr:
                 response = (hyper_group, k.hypers.lr_responses)
@@ -1120,6 +1142,8 @@ class StructuredVI(Inference):
             k.base_phase.set_value(np.full_like(k.base_phase.get_value(), -np.inf))
         if getattr(self, "_marginal", None) is not None:
             self._marginal[0].set_value(np.int8(0))  # recomputed at the end of this fit
+        if getattr(self, "_grid", None) is not None:
+            self._grid[0].set_value(np.int8(0))
         if getattr(self, "_view", None) is not None:
             self._view.on.set_value(np.int8(0))
         step = self._step_function(backend, compile_kwargs)
@@ -1201,20 +1225,7 @@ class StructuredVI(Inference):
             self._fit_hyper_marginal()
         factories = []
         if getattr(self, "_view", None) is not None:
-            if getattr(self, "_conditional_globals", None) is None:
-                k = self.kernel
-                work = self.work_estimate() / max(len(k.hypers.w), 1)
-                if self.tlm.general_terms or self.tlm.rayleighs:
-                    # Monte Carlo + autodiff terms: a re-fit per draw is never cheap, and
-                    # compiling it took PyTensor's rewriting > 5 minutes on a non-centered
-                    # observation-level effect. A Rayleigh global: the re-fit moves q(w | h)
-                    # only, and its value would be an input it is never given
-                    # (MissingInputError in approx.sample). The draws come from the view
-                    work = np.inf
-                self._conditional_globals = ConditionalGlobals(
-                    k, self.model, self.approx.groups[0], work
-                )
-            conditional_globals = self._conditional_globals
+            conditional_globals = self._batched_refits()
             # the factory holds what it returns, not the inference object (whose compiled
             # step does not pickle): a fitted approximation pickles as PyMC's do
             factories.append(lambda: conditional_globals)
@@ -1248,6 +1259,81 @@ class StructuredVI(Inference):
             self.approx.marginal_locals = [lc.name for lc in self.tlm.locals]
         return self.approx
 
+    def _batched_refits(self) -> ConditionalGlobals:
+        """The re-fits of q(w | h) at a batch of points ``h`` (made once per fit object)."""
+        if getattr(self, "_conditional_globals", None) is None:
+            k = self.kernel
+            work = self.work_estimate() / max(len(k.hypers.w), 1)
+            if self.tlm.general_terms or self.tlm.rayleighs:
+                # Monte Carlo + autodiff terms: a re-fit per draw is never cheap, and
+                # compiling it took PyTensor's rewriting > 5 minutes on a non-centered
+                # observation-level effect. A Rayleigh global: the re-fit moves q(w | h)
+                # only, and its value would be an input it is never given
+                # (MissingInputError in approx.sample). The draws come from the view
+                work = np.inf
+            self._conditional_globals = ConditionalGlobals(
+                k, self.model, self.approx.groups[0], work
+            )
+        return self._conditional_globals
+
+    def _profile_grid(self, mu, P):
+        """``(GridMarginal, D)``: the profile on a grid around ``mu`` in coordinates scaled
+        by the conditional sds ``D`` of the Gaussian with precision ``P`` (see
+        :mod:`~pymc_mcssvi.algorithms.profile_grid`), or ``None`` when its batched
+        re-fits are not affordable or fail (logged at INFO; the axis marginal stays)."""
+        cg = self._batched_refits()
+        spec = self.kernel.hypers.spec
+        n = len(mu)
+        D = 1.0 / np.sqrt(np.diag(P))
+        R = P * D[:, None] * D[None, :]
+        split = np.cumsum([int(np.prod(shp)) for shp in spec.shapes])[:-1]
+
+        def by_variable(H):
+            parts = np.split(H, split, axis=1)
+            return [x.reshape((len(H), *shp)) for x, shp in zip(parts, spec.shapes, strict=True)]
+
+        store = {}
+
+        def evaluate(nodes, parents):
+            H = mu + LADDER[nodes] * D
+            size = int(max(1, BATCH_BYTES // cg.bytes_per_draw(by_variable(H[:2]))))
+            values = np.empty(len(nodes))
+            for lo in range(0, len(nodes), size):
+                sl = slice(lo, lo + size)
+                start = None
+                if np.all(parents[sl] >= 0):
+                    held = [store[tuple(p)] for p in parents[sl]]
+                    start = (
+                        [np.stack(seg) for seg in zip(*(m for m, _ in held), strict=True)],
+                        [np.stack(seg) for seg in zip(*(f for _, f in held), strict=True)],
+                        mu + LADDER[parents[sl]] * D,
+                    )
+                means, factors, values[sl] = cg.refit(by_variable(H[sl]), start=start)
+                for i, node in enumerate(nodes[sl]):
+                    store[tuple(node)] = ([m[i] for m in means], [f[i] for f in factors])
+            return values
+
+        try:
+            with threadpool_limits(limits=1, user_api="blas"), np.errstate(all="ignore"):
+                if not cg.affordable(MAX_GRID_POINTS, by_variable(np.tile(mu, (2, 1)))):
+                    logger.info("q(h) not gridded: its re-fits are not affordable")
+                    return None
+                values = grow_grid(evaluate, lambda t: -0.5 * np.einsum("mi,ij,mj->m", t, R, t), n)
+                gm = grid_marginal(values, n)
+        except Exception as err:  # the axis marginal stays
+            logger.info("q(h) not gridded (%s: %s)", type(err).__name__, err)
+            return None
+        # q(w | h) at the nodes: the draws' where re-fitting each one is not affordable
+        held = [idx for idx, v in values.items() if np.isfinite(v)]
+        cg.nodes = GridNodes(
+            mu,
+            D,
+            np.array(held, dtype="int64"),
+            [np.stack(seg) for seg in zip(*(store[i][0] for i in held), strict=True)],
+            [np.stack(seg) for seg in zip(*(store[i][1] for i in held), strict=True)],
+        )
+        return gm, D
+
     def _fit_hyper_marginal(self):
         """Replace the linear-response q(h) by the converged profile's, skewed where trusted.
 
@@ -1261,6 +1347,8 @@ class StructuredVI(Inference):
         """
         hyp = self.kernel.hypers
         on, V_sh, s_sh, T_sh, shift_sh, cov_sh = self._marginal
+        if getattr(self, "_conditional_globals", None) is not None:
+            self._conditional_globals.nodes = None  # a previous fit's grid
         on.set_value(np.int8(0))
         mu = hyp.base_mean.get_value()[0]
         means = [m.get_value() for m in self.kernel.base_mean]
@@ -1300,6 +1388,19 @@ class StructuredVI(Inference):
                 "Skewed q(h) not used: %d axes, skew %.3f below %s", len(s), skew, MIN_AXIS_SKEW
             )
             return
+        joint = None
+        if getattr(self, "_grid", None) is not None:
+            joint = self._profile_grid(mu, P)
+        if joint is not None:
+            gm, D = joint
+            g_on, D_sh, Tg_sh, C_sh, rows_sh = self._grid
+            D_sh.set_value(D)
+            Tg_sh.set_value(gm.table)
+            C_sh.set_value(gm.conditional)
+            rows_sh.set_value(gm.rows)
+            node_weights = _grid_node_weights(gm, D, am.directions, am.scales)
+            am = _grid_axis_marginal(am, gm, D, node_weights)
+            g_on.set_value(np.int8(1))
         V_sh.set_value(am.directions)
         s_sh.set_value(am.scales)
         T_sh.set_value(am.table)
@@ -1350,7 +1451,7 @@ class StructuredVI(Inference):
         view.log_scale_axes.set_value(ls_axes)
         view.log_scale_grid.set_value(ls_grid)
         view.scale_masks.set_value(masks)
-        grid = moment_grid(am, mu, n_w)
+        grid = moment_grid(am, mu, n_w, None if joint is None else node_weights)
         if len(ls_grid) > 1:
             log_scales = ls_grid[np.ravel_multi_index(grid.nodes.T, (len(NODES),) * n)]
         else:  # summed axis by axis: one (points, n_w) array at a time, not (points, n, n_w)
@@ -1846,3 +1947,29 @@ class SDSVI(StructuredVI):
     algorithm_cls = SDSVIStep
     default_mean_optimizer = ("adam", 0.1)
     default_factor_optimizer = ("adam", 0.1)
+
+
+def _grid_node_weights(gm: GridMarginal, D, directions, scales) -> np.ndarray:
+    """The gridded q(h)'s probabilities gathered at the nearest points of the tensor grid
+    of :data:`~pymc_mcssvi.algorithms.marginal.NODES` along the axis marginal's axes
+    (``(len(NODES)^n,)``, row-major; beyond the nodes, at the last): the weights of
+    the view's moments (:func:`~pymc_mcssvi.algorithms.marginal.moment_grid`)."""
+    n = len(D)
+    t = ((gm.points * D) @ np.asarray(directions)) / np.asarray(scales)
+    idx = np.clip(np.rint(t - NODES[0]), 0, len(NODES) - 1).astype("int64")
+    flat = np.ravel_multi_index(tuple(idx.T), (len(NODES),) * n)
+    return np.bincount(flat, weights=gm.mass, minlength=len(NODES) ** n)
+
+
+def _grid_axis_marginal(am, gm: GridMarginal, D, node_weights):
+    """``am`` with the gridded q(h)'s moments (in ``h``) and, as its axes' weights, the
+    margins of ``node_weights`` (:func:`_grid_node_weights`)."""
+    n = len(D)
+    W = np.reshape(node_weights, (len(NODES),) * n)
+    at = [int(np.flatnonzero(NODES == z)[0]) for z in np.r_[0.0, AXIS_POINTS]]
+    weights = np.stack([W.sum(axis=tuple(k for k in range(n) if k != j))[at] for j in range(n)])
+    return am._replace(
+        mean_shift=D * gm.mean,
+        cov=D[:, None] * gm.cov * D[None, :],
+        weights=weights / weights.sum(axis=1, keepdims=True),
+    )

@@ -323,13 +323,36 @@ class ConditionalGlobals:
         for lo in range(0, n, size):
             sl = slice(lo, min(n, lo + size))
             hs = [np.asarray(samples[nm][sl], dtype="float64") for nm in names]
-            means, factors, values = self.refit(hs)
+            start = None
+            if self.nodes is not None:  # from the nearest node: far draws converge there
+                H = np.concatenate([h.reshape(len(h), -1) for h in hs], axis=1)
+                j = self._nearest_nodes(H)
+                start = (
+                    [m[j] for m in self.nodes.means],
+                    [f[j] for f in self.nodes.factors],
+                    self._node_h()[j],
+                )
+            means, factors, values = self.refit(hs, start=start)
             keep[sl] = ~np.isfinite(values)
             for m, L, idx in zip(means, factors, g.flat_maps, strict=True):
                 e = rng.standard_normal(m.shape)
                 # w = m + L^{-T} e
                 noise = np.linalg.solve(np.swapaxes(L, -1, -2), e[..., None])[..., 0]
                 flat[sl, np.asarray(idx).reshape(-1)] = (m + noise).reshape(m.shape[0], -1)
+
+    def _node_h(self):
+        nodes = self.nodes
+        return nodes.centre + LADDER[nodes.index] * nodes.scales
+
+    def _nearest_nodes(self, H):
+        """Index of the grid node nearest to each row of ``H`` (in the grid's scales)."""
+        t_nodes = self._node_h() / self.nodes.scales
+        out = np.empty(len(H), dtype="int64")
+        step = int(max(1, 2**22 // max(len(t_nodes), 1)))
+        for lo in range(0, len(H), step):
+            t = H[lo : lo + step] / self.nodes.scales
+            out[lo : lo + step] = np.argmin(((t[:, None, :] - t_nodes[None]) ** 2).sum(-1), axis=1)
+        return out
 
     def _draw_from_nodes(self, samples, names, n, rng, flat, keep):
         """Draws of q(w | h) interpolated between the grid's nodes: on the cell of the
@@ -355,13 +378,11 @@ class ConditionalGlobals:
         weights = np.prod(np.where(corners[:, None, :] == 1, frac, 1.0 - frac), axis=2)
         inside = np.all(rows >= 0, axis=0)
         nearest = np.zeros(n, dtype="int64")
-        for i in np.flatnonzero(~inside):  # only draws whose cell was not evaluated
-            nearest[i] = np.argmin(((nodes.index - (cell[i] + np.rint(frac[i]))) ** 2).sum(1))
+        nearest[~inside] = self._nearest_nodes(H[~inside])
         rows = np.where(inside, rows, nearest)
         weights = np.where(inside, weights, 0.0)
         weights[0] = np.where(inside, weights[0], 1.0)
-        h_nodes = nodes.centre + LADDER[nodes.index] * nodes.scales
-        dh = np.where(inside[:, None], 0.0, H - h_nodes[nearest])
+        dh = np.where(inside[:, None], 0.0, H - self._node_h()[nearest])
         for m, L, U, idx in zip(nodes.means, nodes.factors, responses, g.flat_maps, strict=True):
             e = rng.standard_normal((n, *m.shape[1:]))
             out = np.tensordot(dh, U, [[1], [-1]])

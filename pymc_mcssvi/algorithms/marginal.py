@@ -27,6 +27,11 @@ by its column of the predictor's Jacobian, :func:`sensitivity_log_scales`):
 their averaged conditional covariance (:func:`averaged_view_factors`) and
 their conditional means along the axes (:func:`conditional_mean_table`,
 moments by :func:`draw_moments`).
+
+With one or two coordinates the draws of ``h`` and its moments come from the
+profile on a grid instead (:mod:`pymc_mcssvi.algorithms.profile_grid`), which
+follows tails and ridges the axes' slices leave out; the axis marginal's
+directions still key the view's tables.
 """
 
 from __future__ import annotations

@@ -110,6 +110,8 @@ class GridNodes(NamedTuple):
     means, factors : list of np.ndarray
         Per segment, the re-fitted means ``(m, R, K)`` and precision Cholesky factors
         ``(m, R, K, K)``.
+    values : np.ndarray
+        ``(m,)`` the profile there (the bounds of the re-fitted q(w | h)).
     """
 
     centre: np.ndarray
@@ -117,6 +119,7 @@ class GridNodes(NamedTuple):
     index: np.ndarray
     means: list
     factors: list
+    values: np.ndarray
 
 
 class ConditionalGlobals:

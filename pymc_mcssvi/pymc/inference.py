@@ -47,24 +47,30 @@ from pymc_mcssvi.algorithms.marginal import (
     HESSIAN_STEP,
     MAX_CORRECTED_HYPERS,
     MAX_MOMENT_GRID,
+    MAX_MOMENT_RANK,
     MAX_UNCHECKED_HYPERS,
     MAX_VIEW_WORK,
     MIN_AXIS_SKEW,
     NODES,
     ConditionalProfile,
     DrawMoments,
+    _block_covariance,
     averaged_view_factors,
     axis_marginal,
     axis_node_table,
     axis_skew,
+    axis_table_at,
+    binned_moment_grid,
     conditional_mean_table,
     data_coordinates,
     draw_moments,
+    grid_axis,
     moment_grid,
     node_table_points,
     noise_moment_factors,
     off_axis_nodes,
     refit_graph,
+    tensor_table_at,
 )
 from pymc_mcssvi.algorithms.mcssvi import MCSSVIStep
 from pymc_mcssvi.algorithms.optimizers import make_optimizer
@@ -1331,6 +1337,7 @@ class StructuredVI(Inference):
             np.array(held, dtype="int64"),
             [np.stack(seg) for seg in zip(*(store[i][0] for i in held), strict=True)],
             [np.stack(seg) for seg in zip(*(store[i][1] for i in held), strict=True)],
+            np.array([values[i] for i in held]),
         )
         return gm, D
 
@@ -1398,8 +1405,8 @@ class StructuredVI(Inference):
             Tg_sh.set_value(gm.table)
             C_sh.set_value(gm.conditional)
             rows_sh.set_value(gm.rows)
-            node_weights = _grid_node_weights(gm, D, am.directions, am.scales)
-            am = _grid_axis_marginal(am, gm, D, node_weights)
+            binned = binned_moment_grid(gm.points * D, gm.mass, mu, am.directions, am.scales)
+            am = _grid_axis_marginal(am, gm, D, binned)
             g_on.set_value(np.int8(1))
         V_sh.set_value(am.directions)
         s_sh.set_value(am.scales)
@@ -1451,13 +1458,13 @@ class StructuredVI(Inference):
         view.log_scale_axes.set_value(ls_axes)
         view.log_scale_grid.set_value(ls_grid)
         view.scale_masks.set_value(masks)
-        grid = moment_grid(am, mu, n_w, None if joint is None else node_weights)
+        grid = moment_grid(am, mu, n_w) if joint is None else binned
         if len(ls_grid) > 1:
-            log_scales = ls_grid[np.ravel_multi_index(grid.nodes.T, (len(NODES),) * n)]
+            log_scales = tensor_table_at(ls_grid, grid)
         else:  # summed axis by axis: one (points, n_w) array at a time, not (points, n, n_w)
             log_scales = np.zeros((len(grid.p), n_w))
             for j in range(n):
-                log_scales += ls_axes[j, grid.nodes[:, j]]
+                log_scales += axis_table_at(ls_axes[j : j + 1], grid_axis(grid, j))
         fitted = flat(means)
         moments = draw_moments(mean_table, grid, masks[1] * log_scales, fitted, V, s)
         for shared, value in zip(view.moments, moments, strict=True):
@@ -1478,6 +1485,15 @@ class StructuredVI(Inference):
             )
         if moment_factors is None:
             moment_factors = factors
+        if joint is not None:
+            # the draws come from q(w | h) re-fitted at each draw or at the grid's nodes:
+            # their moments from the nodes, not from the view's tables (constant beyond
+            # 4 sds of the axes, where the gridded q(h) reaches)
+            moments, moment_factors = _node_moments(
+                self._conditional_globals.nodes, gm, self._flat_maps, n_w, fitted
+            )
+            for shared, value in zip(view.moments, moments, strict=True):
+                shared.set_value(value)
         table = np.zeros(view.sd_table.get_value(borrow=True).shape)
         for ratio, idx in zip(ratios, self._flat_maps, strict=True):
             table[:, :, idx.reshape(-1)] = ratio.reshape((*ratio.shape[:2], -1))
@@ -1949,27 +1965,80 @@ class SDSVI(StructuredVI):
     default_factor_optimizer = ("adam", 0.1)
 
 
-def _grid_node_weights(gm: GridMarginal, D, directions, scales) -> np.ndarray:
-    """The gridded q(h)'s probabilities gathered at the nearest points of the tensor grid
-    of :data:`~pymc_mcssvi.algorithms.marginal.NODES` along the axis marginal's axes
-    (``(len(NODES)^n,)``, row-major; beyond the nodes, at the last): the weights of
-    the view's moments (:func:`~pymc_mcssvi.algorithms.marginal.moment_grid`)."""
-    n = len(D)
-    t = ((gm.points * D) @ np.asarray(directions)) / np.asarray(scales)
-    idx = np.clip(np.rint(t - NODES[0]), 0, len(NODES) - 1).astype("int64")
-    flat = np.ravel_multi_index(tuple(idx.T), (len(NODES),) * n)
-    return np.bincount(flat, weights=gm.mass, minlength=len(NODES) ** n)
-
-
-def _grid_axis_marginal(am, gm: GridMarginal, D, node_weights):
+def _grid_axis_marginal(am, gm: GridMarginal, D, binned):
     """``am`` with the gridded q(h)'s moments (in ``h``) and, as its axes' weights, the
-    margins of ``node_weights`` (:func:`_grid_node_weights`)."""
-    n = len(D)
-    W = np.reshape(node_weights, (len(NODES),) * n)
+    margins of its probabilities on the axes' nodes (``binned``, a
+    :class:`~pymc_mcssvi.algorithms.marginal.MomentGrid`; a point between two nodes
+    shares its weight by its fraction)."""
     at = [int(np.flatnonzero(NODES == z)[0]) for z in np.r_[0.0, AXIS_POINTS]]
-    weights = np.stack([W.sum(axis=tuple(k for k in range(n) if k != j))[at] for j in range(n)])
+    weights = np.stack(
+        [
+            np.bincount(
+                np.r_[binned.nodes[:, j], binned.nodes[:, j] + 1],
+                weights=np.r_[binned.p * (1.0 - binned.frac[:, j]), binned.p * binned.frac[:, j]],
+                minlength=len(NODES),
+            )[at]
+            for j in range(len(D))
+        ]
+    )
     return am._replace(
         mean_shift=D * gm.mean,
         cov=D[:, None] * gm.cov * D[None, :],
         weights=weights / weights.sum(axis=1, keepdims=True),
     )
+
+
+def _node_moments(nodes: GridNodes, gm: GridMarginal, flat_maps, size, fitted):
+    """``(DrawMoments, factors)``: the moments of draws of the Gaussian globals from
+    q(w | h) at the grid's nodes, interpolated between them as
+    :meth:`~pymc_mcssvi.pymc.conditional.ConditionalGlobals` draws them, under the
+    gridded q(h) (its fine points ``gm.points``, each sharing its mass out to the
+    corners of its cell by linear weights ``phi``; a corner not evaluated passes its
+    share to the nearest node). With ``W = E[phi phi^T]`` and ``M`` the nodes' means,
+    the means' covariance is ``(M - mean)^T W (M - mean)`` and their cross-covariance
+    with ``h`` is ``(M - mean)^T E[phi (h - E h)^T]``, exact for means linear within
+    each cell. Returned: the mean's shift from ``fitted``, ``R`` with ``R R^T`` that
+    covariance, the cross-covariance, and per segment the lower Cholesky factor of the
+    inverse of the nodes' covariances averaged with weights ``E[phi]``."""
+    idx = nodes.index
+    n_h, k = idx.shape[1], len(idx)
+    lookup = np.full((len(LADDER),) * n_h, -1)
+    lookup[tuple(idx.T)] = np.arange(k)
+    t = gm.points
+    cell = np.clip(np.searchsorted(LADDER, t, side="right") - 1, 0, len(LADDER) - 2)
+    frac = np.clip((t - LADDER[cell]) / (LADDER[cell + 1] - LADDER[cell]), 0.0, 1.0)
+    h = nodes.centre + t * nodes.scales
+    h_mean = gm.mass @ h
+    corners = []
+    for corner in np.indices((2,) * n_h).reshape(n_h, -1).T:
+        at = np.minimum(cell + corner, len(LADDER) - 1)
+        rows = lookup[tuple(at.T)]
+        missing, inverse = np.unique(at[rows < 0], axis=0, return_inverse=True)
+        near = [int(np.argmin(((idx - c) ** 2).sum(1))) for c in missing]
+        rows[rows < 0] = np.asarray(near, dtype="int64")[inverse.ravel()]
+        corners.append((rows, np.prod(np.where(corner == 1, frac, 1.0 - frac), axis=1)))
+    W = np.zeros(k * k)
+    Q = np.zeros((k, n_h))
+    for rows, w in corners:
+        for j in range(n_h):
+            Q[:, j] += np.bincount(rows, weights=gm.mass * w * (h[:, j] - h_mean[j]), minlength=k)
+        for rows2, w2 in corners:
+            W += np.bincount(rows * k + rows2, weights=gm.mass * w * w2, minlength=k * k)
+    W = W.reshape(k, k)
+    p = W.sum(axis=1)
+    m = np.zeros((k, size))
+    for seg, fmap in zip(nodes.means, flat_maps, strict=True):
+        m[:, fmap.reshape(-1)] = seg.reshape(k, -1)
+    mean = p @ m
+    lam, U = np.linalg.eigh(0.5 * (W + W.T))
+    C = U * np.sqrt(np.maximum(lam, 0.0))  # C C^T = W
+    R = (m - mean).T @ C
+    if R.shape[1] > MAX_MOMENT_RANK:
+        Ur, sv, _ = np.linalg.svd(R, full_matrices=False)
+        R = Ur[:, :MAX_MOMENT_RANK] * sv[:MAX_MOMENT_RANK]
+    factors = []
+    for L in nodes.factors:
+        S = np.einsum("k,k...->...", p, _block_covariance(L))
+        prec = np.linalg.inv(S)
+        factors.append(np.linalg.cholesky(0.5 * (prec + np.swapaxes(prec, -1, -2))))
+    return DrawMoments(mean - fitted, R, (m - mean).T @ Q), factors

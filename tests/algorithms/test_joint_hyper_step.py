@@ -173,19 +173,23 @@ def test_coupling_removes_the_slow_scale_mode(monkeypatch):
 # ------------------------------------------------------------- linear response
 def test_linear_response_draws_match_the_reported_covariance(rng):
     """Draws of (w, h) have the mean and covariance that ``approx.cov`` reports,
-    including the cross-covariance of the Gaussian globals with the hyperparameters."""
+    including the cross-covariance of the Gaussian globals with the hyperparameters.
+    80,000 draws: the gridded q(h)'s long tail of ``log sd`` (to 20 sds) makes the
+    sample cross-covariances noisy (with 20,000 draws they moved by 0.015 in
+    correlation between seeds)."""
+    n = 80_000
     m = _noncentered(rng)
     with m:
         approx = pymc_mcssvi.HMCSSVI(random_seed=3).fit(progressbar=False)
     cov = np.asarray(approx.cov.eval())
     mean = np.asarray(approx.mean.eval())
     fn = approx.sample_dict_fn
-    draws = fn(20000, random_seed=4)
+    draws = fn(n, random_seed=4)
     flat = np.concatenate(
-        [np.asarray(draws[name]).reshape(20000, -1) for name, *_ in approx.ordering.values()],
+        [np.asarray(draws[name]).reshape(n, -1) for name, *_ in approx.ordering.values()],
         axis=1,
     )
-    np.testing.assert_allclose(flat.mean(0), mean, atol=4 * np.sqrt(np.diag(cov) / 20000).max())
+    np.testing.assert_allclose(flat.mean(0), mean, atol=4 * np.sqrt(np.diag(cov) / n).max())
     emp = np.cov(flat.T)
     sd = np.sqrt(np.diag(cov))
     np.testing.assert_allclose(np.sqrt(np.diag(emp)), sd, rtol=0.03)

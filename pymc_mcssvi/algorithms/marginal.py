@@ -31,7 +31,8 @@ moments by :func:`draw_moments`).
 With one or two coordinates the draws of ``h`` and its moments come from the
 profile on a grid instead (:mod:`pymc_mcssvi.algorithms.profile_grid`), which
 follows tails and ridges the axes' slices leave out; the axis marginal's
-directions still key the view's tables.
+directions still key the view's tables, and the moments of the Gaussian
+globals' draws come from q(w | h) re-fitted at the grid's nodes.
 """
 
 from __future__ import annotations
@@ -69,11 +70,6 @@ __all__ = [
     "MAX_MOMENT_DRAWS",
     "MAX_MEAN_LOG_SCALE",
     "MAX_MOMENT_RANK",
-    "MOMENT_BIN",
-    "axis_table_at",
-    "grid_axis",
-    "tensor_table_at",
-    "binned_moment_grid",
     "draw_moments",
     "node_interpolation",
     "axis_node_table",
@@ -755,62 +751,12 @@ class MomentGrid(NamedTuple):
         ``(G, n_h)`` the hyperparameters there (``centre + V diag(s) t``).
     p : np.ndarray
         ``(G,)`` weights (products of the axes' node weights, summing to 1).
-    frac : np.ndarray or None
-        ``(G, n)``: where given, the points lie between ``nodes`` and the next node
-        along each axis at these fractions, and tables are read there by linear
-        interpolation, as the draws read them (:func:`axis_table_at`).
     """
 
     nodes: np.ndarray
     t: np.ndarray
     h: np.ndarray
     p: np.ndarray
-    frac: np.ndarray | None = None
-
-
-def axis_table_at(table, grid: MomentGrid):
-    """``sum_j table[j]`` at the grid's points (``table``: ``(n, len(NODES), ...)``, one
-    function per axis that the points add up), interpolated as :func:`node_interpolation`
-    where the grid has fractions.
-
-    Examples
-    --------
-    >>> import numpy as np
-    >>> table = np.stack([NODES, 10 * NODES])[..., None]  # t_1 + 10 t_2
-    >>> g = MomentGrid(np.array([[4, 5]]), None, None, None, np.array([[0.5, 0.25]]))
-    >>> axis_table_at(table, g).ravel().tolist()  # t = (0.5, 1.25)
-    [13.0]
-    """
-    n = grid.nodes.shape[1]
-    if grid.frac is None:
-        return sum(table[j, grid.nodes[:, j]] for j in range(n))
-    out = 0.0
-    for j in range(n):
-        f = grid.frac[:, j].reshape((-1,) + (1,) * (table.ndim - 2))
-        out = out + (1.0 - f) * table[j, grid.nodes[:, j]] + f * table[j, grid.nodes[:, j] + 1]
-    return out
-
-
-def grid_axis(grid: MomentGrid, j: int) -> MomentGrid:
-    """The grid's points read along axis ``j`` only (for :func:`axis_table_at` of one
-    axis's table)."""
-    frac = None if grid.frac is None else grid.frac[:, j : j + 1]
-    return grid._replace(nodes=grid.nodes[:, j : j + 1], frac=frac)
-
-
-def tensor_table_at(table, grid: MomentGrid):
-    """``table`` (rows: the tensor grid of :data:`NODES`, row-major) at the grid's points,
-    multilinear where the grid has fractions (:func:`grid_interpolation`)."""
-    n = grid.nodes.shape[1]
-    shape = (len(NODES),) * n
-    if grid.frac is None:
-        return table[np.ravel_multi_index(grid.nodes.T, shape)]
-    out = 0.0
-    for corner in np.indices((2,) * n).reshape(n, -1).T:
-        w = np.prod(np.where(corner == 1, grid.frac, 1.0 - grid.frac), axis=1)
-        rows = np.ravel_multi_index((grid.nodes + corner).T, shape)
-        out = out + w[:, None] * table[rows]
-    return out
 
 
 #: Largest number of grid points times coordinates of :func:`moment_grid`'s full grid
@@ -854,55 +800,6 @@ def moment_grid(marginal: AxisMarginal, centre_h, size: int) -> MomentGrid:
     t = z[points]
     h = np.asarray(centre_h) + (t * marginal.scales) @ np.asarray(marginal.directions).T
     return MomentGrid(order[points], t, h, p)
-
-
-#: Width of the bins of :func:`binned_moment_grid` along q(h)'s axes (its sds): a
-#: bin's spread is lost (a variance ``width^2 / 12`` of each coordinate).
-MOMENT_BIN = 0.25
-
-
-def binned_moment_grid(points, mass, centre_h, directions, scales) -> MomentGrid:
-    """A :class:`MomentGrid` of a q(h) given by ``points`` (``(F, n_h)``, offsets from
-    ``centre_h``) and their probabilities ``mass`` (the gridded q(h) of
-    :mod:`~pymc_mcssvi.algorithms.profile_grid`): binned on a lattice of
-    :data:`MOMENT_BIN` along q(h)'s axes, each bin at its mass's mean ``t``, which
-    reads the tables between :data:`NODES` by linear interpolation as the draws do
-    (constant beyond them). Whole-node bins lost their spread: the moments of a
-    conditional mean that moves with ``h`` came out 0.06 in correlation off the draws'.
-
-    Examples
-    --------
-    A standard normal along one axis: its mean and variance (less the bins' spread).
-
-    >>> import numpy as np
-    >>> from scipy.stats import norm
-    >>> t = np.linspace(-8, 8, 3201)[:, None]
-    >>> mass = norm.pdf(t[:, 0]) / norm.pdf(t[:, 0]).sum()
-    >>> g = binned_moment_grid(t, mass, np.zeros(1), np.eye(1), np.ones(1))
-    >>> m = g.p @ g.t[:, 0]
-    >>> abs(round(float(m), 6)), round(float(g.p @ (g.t[:, 0] - m) ** 2), 3)
-    (0.0, 0.995)
-    """
-    V, s = np.asarray(directions), np.asarray(scales)
-    n = len(s)
-    t = (np.asarray(points) @ V) / s
-    cell = np.floor(t / MOMENT_BIN + 0.5).astype("int64")
-    cells, inverse = np.unique(cell, axis=0, return_inverse=True)
-    inverse = inverse.ravel()
-    p = np.bincount(inverse, weights=mass, minlength=len(cells))
-    keep = p > 0
-    tb = (
-        np.stack(
-            [np.bincount(inverse, weights=mass * t[:, j], minlength=len(cells)) for j in range(n)],
-            axis=1,
-        )[keep]
-        / p[keep, None]
-    )
-    pos = np.clip(tb, NODES[0], NODES[-1]) - NODES[0]
-    nodes = np.clip(np.floor(pos), 0, len(NODES) - 2).astype("int64")
-    frac = pos - nodes
-    h = np.asarray(centre_h) + (tb * s) @ V.T
-    return MomentGrid(nodes, tb, h, p[keep] / p[keep].sum(), frac)
 
 
 def node_table_points(marginal: AxisMarginal, centre_h, nodes=None) -> np.ndarray:
@@ -1022,10 +919,11 @@ def noise_moment_factors(factors, sd_tables, grid: MomentGrid, log_scales, flat_
     >>> bool(np.isclose(1 / L[0, 0, 0] ** 2, w @ np.exp(-2 * np.r_[0.0, AXIS_POINTS])))
     True
     """
+    n = grid.nodes.shape[1]
     out = []
     for L, table, idx in zip(factors, sd_tables, flat_maps, strict=True):
         idx = np.asarray(idx)
-        T = axis_table_at(table, grid)  # (G, R, K)
+        T = sum(table[j, grid.nodes[:, j]] for j in range(n))  # (G, R, K)
         e = np.exp(T - np.asarray(log_scales)[:, idx])
         second = np.einsum("g,grk,grl->rkl", grid.p, e, e)
         S = _block_covariance(L) * second
@@ -1315,8 +1213,9 @@ def draw_moments(mean_table, grid: MomentGrid, log_scales, fitted, directions, s
     True
     """
     fitted = np.asarray(fitted, dtype="float64")
+    n = mean_table.shape[0]
     p = grid.p
-    M = axis_table_at(mean_table, grid)
+    M = sum(mean_table[j, grid.nodes[:, j]] for j in range(n))
     g = np.exp(-np.asarray(log_scales)) * (fitted + M) - fitted  # (G, size)
     shift = p @ g
     gc = np.sqrt(p)[:, None] * (g - shift)

@@ -59,18 +59,14 @@ from pymc_mcssvi.algorithms.marginal import (
     axis_marginal,
     axis_node_table,
     axis_skew,
-    axis_table_at,
-    binned_moment_grid,
     conditional_mean_table,
     data_coordinates,
     draw_moments,
-    grid_axis,
     moment_grid,
     node_table_points,
     noise_moment_factors,
     off_axis_nodes,
     refit_graph,
-    tensor_table_at,
 )
 from pymc_mcssvi.algorithms.mcssvi import MCSSVIStep
 from pymc_mcssvi.algorithms.optimizers import make_optimizer
@@ -1405,8 +1401,7 @@ class StructuredVI(Inference):
             Tg_sh.set_value(gm.table)
             C_sh.set_value(gm.conditional)
             rows_sh.set_value(gm.rows)
-            binned = binned_moment_grid(gm.points * D, gm.mass, mu, am.directions, am.scales)
-            am = _grid_axis_marginal(am, gm, D, binned)
+            am = _grid_axis_marginal(am, gm, D)
             g_on.set_value(np.int8(1))
         V_sh.set_value(am.directions)
         s_sh.set_value(am.scales)
@@ -1458,15 +1453,23 @@ class StructuredVI(Inference):
         view.log_scale_axes.set_value(ls_axes)
         view.log_scale_grid.set_value(ls_grid)
         view.scale_masks.set_value(masks)
-        grid = moment_grid(am, mu, n_w) if joint is None else binned
-        if len(ls_grid) > 1:
-            log_scales = tensor_table_at(ls_grid, grid)
-        else:  # summed axis by axis: one (points, n_w) array at a time, not (points, n, n_w)
-            log_scales = np.zeros((len(grid.p), n_w))
-            for j in range(n):
-                log_scales += axis_table_at(ls_axes[j : j + 1], grid_axis(grid, j))
         fitted = flat(means)
-        moments = draw_moments(mean_table, grid, masks[1] * log_scales, fitted, V, s)
+        if joint is None:
+            grid = moment_grid(am, mu, n_w)
+            if len(ls_grid) > 1:
+                log_scales = ls_grid[np.ravel_multi_index(grid.nodes.T, (len(NODES),) * n)]
+            else:  # summed axis by axis: one (points, n_w) array at a time, not (points, n, n_w)
+                log_scales = np.zeros((len(grid.p), n_w))
+                for j in range(n):
+                    log_scales += ls_axes[j, grid.nodes[:, j]]
+            moments = draw_moments(mean_table, grid, masks[1] * log_scales, fitted, V, s)
+        else:
+            # the draws come from q(w | h) re-fitted at each draw or at the grid's nodes:
+            # their moments from the nodes, not from the view's tables (constant beyond
+            # 4 sds of the axes, where the gridded q(h) reaches)
+            moments, node_factors = _node_moments(
+                self._conditional_globals.nodes, gm, self._flat_maps, n_w, fitted
+            )
         for shared, value in zip(view.moments, moments, strict=True):
             shared.set_value(value)
         ratios = [np.zeros((len(s), len(NODES), *f.shape[:-1])) for f in factors]
@@ -1479,21 +1482,15 @@ class StructuredVI(Inference):
                 logger.info("Conditional covariance of q(w) not averaged: not positive definite")
             else:
                 factors, ratios = averaged
-        with np.errstate(all="ignore"):
-            moment_factors = noise_moment_factors(
-                factors, ratios, grid, log_scales, self._flat_maps
-            )
-        if moment_factors is None:
-            moment_factors = factors
-        if joint is not None:
-            # the draws come from q(w | h) re-fitted at each draw or at the grid's nodes:
-            # their moments from the nodes, not from the view's tables (constant beyond
-            # 4 sds of the axes, where the gridded q(h) reaches)
-            moments, moment_factors = _node_moments(
-                self._conditional_globals.nodes, gm, self._flat_maps, n_w, fitted
-            )
-            for shared, value in zip(view.moments, moments, strict=True):
-                shared.set_value(value)
+        if joint is None:
+            with np.errstate(all="ignore"):
+                moment_factors = noise_moment_factors(
+                    factors, ratios, grid, log_scales, self._flat_maps
+                )
+            if moment_factors is None:
+                moment_factors = factors
+        else:
+            moment_factors = node_factors
         table = np.zeros(view.sd_table.get_value(borrow=True).shape)
         for ratio, idx in zip(ratios, self._flat_maps, strict=True):
             table[:, :, idx.reshape(-1)] = ratio.reshape((*ratio.shape[:2], -1))
@@ -1965,17 +1962,22 @@ class SDSVI(StructuredVI):
     default_factor_optimizer = ("adam", 0.1)
 
 
-def _grid_axis_marginal(am, gm: GridMarginal, D, binned):
-    """``am`` with the gridded q(h)'s moments (in ``h``) and, as its axes' weights, the
-    margins of its probabilities on the axes' nodes (``binned``, a
-    :class:`~pymc_mcssvi.algorithms.marginal.MomentGrid`; a point between two nodes
-    shares its weight by its fraction)."""
+def _grid_axis_marginal(am, gm: GridMarginal, D):
+    """``am`` with the gridded q(h)'s moments (in ``h``) and, as its axes' weights (the
+    averaged view's, :func:`~pymc_mcssvi.algorithms.marginal.averaged_view_factors`),
+    the margins of its fine points' masses along each axis, shared linearly between
+    the two nearest :data:`~pymc_mcssvi.algorithms.marginal.NODES` (beyond them, at
+    the last)."""
+    t = ((gm.points * D) @ np.asarray(am.directions)) / np.asarray(am.scales)
+    pos = np.clip(t, NODES[0], NODES[-1]) - NODES[0]
+    lower = np.clip(np.floor(pos), 0, len(NODES) - 2).astype("int64")
+    frac = pos - lower
     at = [int(np.flatnonzero(NODES == z)[0]) for z in np.r_[0.0, AXIS_POINTS]]
     weights = np.stack(
         [
             np.bincount(
-                np.r_[binned.nodes[:, j], binned.nodes[:, j] + 1],
-                weights=np.r_[binned.p * (1.0 - binned.frac[:, j]), binned.p * binned.frac[:, j]],
+                np.r_[lower[:, j], lower[:, j] + 1],
+                weights=np.r_[gm.mass * (1.0 - frac[:, j]), gm.mass * frac[:, j]],
                 minlength=len(NODES),
             )[at]
             for j in range(len(D))

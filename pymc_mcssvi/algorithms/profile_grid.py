@@ -60,7 +60,7 @@ LADDER = np.array(
     dtype="float64",
 )
 #: Nodes whose profile is more than this many nats below the largest do not grow the grid.
-GRID_DROP = 9.0
+GRID_DROP = 7.0
 #: Most grid nodes evaluated (above it the grid stops growing).
 MAX_GRID_POINTS = 600
 #: Spacing of the fine grid the density is interpolated on (conditional sds).
@@ -112,7 +112,7 @@ def grow_grid(evaluate, start_log_density, n: int) -> dict:
     """
     c = _centre_index()
     box = np.array(list(itertools.product(range(c - 4, c + 5), repeat=n)))
-    keep = start_log_density(LADDER[box]) > -(GRID_DROP + 4.0)
+    keep = start_log_density(LADDER[box]) > -(GRID_DROP + 1.0)
     nodes = box[keep]
     values: dict = {}
     parents = np.full_like(nodes, -1)

@@ -394,7 +394,10 @@ class ConditionalGlobals:
                 np.swapaxes(L, -1, -2), np.broadcast_to(np.eye(L.shape[-1]), L.shape)
             )
             for r, w in zip(rows, weights, strict=True):
-                noise = np.einsum("drij,drj->dri", A[r], e)
+                noise = np.empty_like(e)
+                for node in np.unique(r):  # one product per node, not a factor per draw
+                    sel = r == node
+                    noise[sel] = np.einsum("rij,drj->dri", A[node], e[sel])
                 out += _expand(w, m[r]) * (m[r] + noise)
             flat[:, np.asarray(idx).reshape(-1)] = out.reshape(n, -1)
 

@@ -1278,11 +1278,13 @@ class StructuredVI(Inference):
             )
         return self._conditional_globals
 
-    def _profile_grid(self, mu, P):
+    def _profile_grid(self, mu, P, seeds):
         """``(GridMarginal, D)``: the profile on a grid around ``mu`` in coordinates scaled
         by the conditional sds ``D`` of the Gaussian with precision ``P`` (see
         :mod:`~pymc_mcssvi.algorithms.profile_grid`), or ``None`` when its batched
-        re-fits are not affordable or fail (logged at INFO; the axis marginal stays)."""
+        re-fits are not affordable or fail (logged at INFO; the axis marginal stays).
+        ``seeds`` are ``(h, Refit)`` pairs (the axis marginal's re-fits): the first
+        round's re-fits start from the nearest one, moved by the linear response."""
         cg = self._batched_refits()
         spec = self.kernel.hypers.spec
         n = len(mu)
@@ -1295,6 +1297,7 @@ class StructuredVI(Inference):
             return [x.reshape((len(H), *shp)) for x, shp in zip(parts, spec.shapes, strict=True)]
 
         store = {}
+        seed_h = np.array([h for h, _ in seeds])
 
         def evaluate(nodes, parents):
             H = mu + LADDER[nodes] * D
@@ -1302,13 +1305,21 @@ class StructuredVI(Inference):
             values = np.empty(len(nodes))
             for lo in range(0, len(nodes), size):
                 sl = slice(lo, lo + size)
-                start = None
-                if np.all(parents[sl] >= 0):
+                if np.all(parents[sl] < 0):
+                    near = np.argmin((((H[sl, None] - seed_h[None]) / D) ** 2).sum(-1), axis=1)
+                    refits = [seeds[i][1] for i in near]
+                    start = (
+                        [np.stack(seg) for seg in zip(*(r.means for r in refits), strict=True)],
+                        [np.stack(seg) for seg in zip(*(r.factors for r in refits), strict=True)],
+                        seed_h[near],
+                    )
+                else:
                     held = [store[tuple(p)] for p in parents[sl]]
                     start = (
                         [np.stack(seg) for seg in zip(*(m for m, _ in held), strict=True)],
                         [np.stack(seg) for seg in zip(*(f for _, f in held), strict=True)],
-                        mu + LADDER[parents[sl]] * D,
+                        H[sl],  # not moved by the response of the fitted q(w): it
+                        # overshoots from far nodes (the ladder spacing there is 8-16 sds)
                     )
                 means, factors, values[sl] = cg.refit(by_variable(H[sl]), start=start)
                 for i, node in enumerate(nodes[sl]):
@@ -1393,7 +1404,8 @@ class StructuredVI(Inference):
             return
         joint = None
         if getattr(self, "_grid", None) is not None:
-            joint = self._profile_grid(mu, P)
+            seeds = [mu] + [mu + z * s[j] * V[:, j] for j in range(len(s)) for z in AXIS_POINTS]
+            joint = self._profile_grid(mu, P, list(zip(seeds, refits, strict=True)))
         if joint is not None:
             gm, D = joint
             g_on, D_sh, Tg_sh, C_sh, rows_sh = self._grid

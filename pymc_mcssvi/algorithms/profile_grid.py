@@ -60,7 +60,7 @@ LADDER = np.array(
     dtype="float64",
 )
 #: Nodes whose profile is more than this many nats below the largest do not grow the grid.
-GRID_DROP = 7.0
+GRID_DROP = 9.0
 #: Most grid nodes evaluated (above it the grid stops growing).
 MAX_GRID_POINTS = 600
 #: Spacing of the fine grid the density is interpolated on (conditional sds).

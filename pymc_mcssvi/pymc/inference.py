@@ -466,7 +466,10 @@ class StructuredVI(Inference):
         scales are skewed in log space, and the Gaussian put their posterior
         means 25-32% above NUTS's on the centered GLMM benchmarks. Kept
         Gaussian where the profile disagrees with the linear response's
-        curvature. ``"gaussian"`` skips it.
+        curvature. With one or two coordinates the profile is evaluated on a
+        grid grown from the centre instead (:mod:`pymc_mcssvi.algorithms.profile_grid`),
+        which follows a scale's long tail towards 0 and the ridge of two
+        scales that trade variance. ``"gaussian"`` skips it.
     """
 
     algorithm_cls = MCSSVIStep

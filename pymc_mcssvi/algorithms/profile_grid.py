@@ -44,6 +44,9 @@ __all__ = [
     "MAX_GRID_HYPERS",
     "MAX_GRID_POINTS",
     "SPLINE_CAP",
+    "TAIL_DROP",
+    "CORNER_TOL",
+    "grid_wanted",
     "GridMarginal",
     "conditional_transform",
     "grid_marginal",
@@ -67,6 +70,12 @@ MAX_GRID_POINTS = 600
 GRID_STEP = 0.05
 #: Most a spline between two grid nodes may rise above the larger of them (nats).
 SPLINE_CAP = 0.5
+#: A profile that has fallen by less than this at 4 sds along an axis of q(h) (a
+#: Gaussian's falls by 8) has a tail the axis marginal cuts off: the grid is used.
+TAIL_DROP = 6.5
+#: Largest departure (nats) of the profile at ``+-2`` sds on two axes from the sum of
+#: its values on each axis for which the axes are taken as independent (no grid).
+CORNER_TOL = 0.5
 #: Most rows of the conditional quantile table (:func:`conditional_transform`).
 MAX_CONDITIONAL_ROWS = 241
 
@@ -134,6 +143,56 @@ def grow_grid(evaluate, start_log_density, n: int) -> dict:
         nodes = np.array(list(new), dtype="int64").reshape(-1, n)
         parents = np.array(list(new.values()), dtype="int64").reshape(-1, n)
     return values
+
+
+def grid_wanted(axis_values, corner_values) -> tuple[bool, float, float]:
+    """Whether the axis marginal misses what the grid follows, and the two checks.
+
+    Parameters
+    ----------
+    axis_values : np.ndarray
+        ``(n, len(AXIS_POINTS))`` the profile along q(h)'s axes, relative to the
+        centre (:attr:`~pymc_mcssvi.algorithms.marginal.AxisMarginal.log_density`).
+    corner_values : np.ndarray
+        The profile relative to the centre at ``+-2`` sds on each pair of axes, in the
+        order of :func:`~pymc_mcssvi.algorithms.marginal.off_axis_nodes`.
+
+    Returns
+    -------
+    wanted, tail, corner : bool, float, float
+        ``tail``: the smallest fall at ``+-4`` sds (a heavy tail falls by less than
+        :data:`TAIL_DROP`); ``corner``: the largest departure of a corner from the
+        sum of its axes' values (a ridge that bends, above :data:`CORNER_TOL`).
+
+    Examples
+    --------
+    A Gaussian profile with independent axes needs no grid; a slow tail does:
+
+    >>> import numpy as np
+    >>> from pymc_mcssvi.algorithms.marginal import AXIS_POINTS
+    >>> d = np.tile(-0.5 * AXIS_POINTS**2, (2, 1))
+    >>> grid_wanted(d, np.full(4, -4.0))[0]
+    False
+    >>> d[1, 0] = -3.0  # -4 sds on the second axis
+    >>> grid_wanted(d, np.full(4, -4.0))[0]
+    True
+    """
+    from pymc_mcssvi.algorithms.marginal import AXIS_POINTS
+
+    d = np.asarray(axis_values, dtype="float64")
+    ends = d[:, np.abs(AXIS_POINTS) == 4.0]
+    tail = float(-np.max(ends)) if np.all(np.isfinite(ends)) else np.inf
+    corner = 0.0
+    n, at = d.shape[0], {z: i for i, z in enumerate(AXIS_POINTS)}
+    k = 0
+    for j in range(n):
+        for m in range(j + 1, n):
+            for a in (-2.0, 2.0):
+                for b in (-2.0, 2.0):
+                    additive = d[j, at[a]] + d[m, at[b]]
+                    corner = max(corner, float(abs(corner_values[k] - additive)))
+                    k += 1
+    return bool(tail < TAIL_DROP or corner > CORNER_TOL), tail, corner
 
 
 class GridMarginal(NamedTuple):

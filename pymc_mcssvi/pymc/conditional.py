@@ -47,6 +47,7 @@ from pymc_mcssvi.pymc.python_vm import graph_building, python_few_calls_mode
 __all__ = [
     "BATCH_BYTES",
     "GridNodes",
+    "node_corners",
     "EXACT_CONDITIONAL_BYTES",
     "EXACT_CONDITIONAL_WORK",
     "EXPECTED_STEPS",
@@ -138,9 +139,10 @@ class ConditionalGlobals:
     Attributes
     ----------
     nodes : GridNodes or None
-        Set by a fit whose q(h) is gridded: where re-fitting every draw is not
-        affordable, each draw takes q(w | h) from the nearest node (in the grid's
-        scales), its mean moved to the draw's ``h`` by the linear response.
+        Set by a fit whose q(h) is gridded: each draw's re-fit starts from the
+        nearest node (in the grid's scales), and where re-fitting every draw is not
+        affordable the draws take q(w | h) interpolated between the nodes around
+        their ``h`` (:func:`node_corners`).
     """
 
     def __init__(self, kernel, model, group, work_per_draw):
@@ -358,48 +360,61 @@ class ConditionalGlobals:
         return out
 
     def _draw_from_nodes(self, samples, names, n, rng, flat, keep):
-        """Draws of q(w | h) interpolated between the grid's nodes: on the cell of the
-        nodes around each ``h``, the means multilinearly and the noise ``L^{-T} e`` with
-        the same ``e`` at every corner; from the nearest node (its mean moved by the
-        linear response) where a corner was not evaluated."""
+        """Draws of q(w | h) interpolated between the grid's nodes (:func:`node_corners`):
+        the means multilinearly, the noise ``L^{-T} e`` with the same ``e`` at every
+        corner."""
         nodes, g = self.nodes, self.group
         H = np.concatenate(
             [np.asarray(samples[nm], dtype="float64").reshape(n, -1) for nm in names], axis=1
         )
         keep[:] = ~np.all(np.isfinite(H), axis=1)
         H = np.where(keep[:, None], nodes.centre, H)
-        responses = [U.get_value() for U in self.kernel.hypers.lr_responses]
-        n_h = H.shape[1]
-        row = {tuple(i): r for r, i in enumerate(nodes.index.tolist())}
-        t = (H - nodes.centre) / nodes.scales
-        cell = np.clip(np.searchsorted(LADDER, t, side="right") - 1, 0, len(LADDER) - 2)
-        frac = np.clip((t - LADDER[cell]) / (LADDER[cell + 1] - LADDER[cell]), 0.0, 1.0)
-        corners = np.array(list(itertools.product((0, 1), repeat=n_h)))
-        rows = np.array(
-            [[row.get(tuple(c), -1) for c in cell + corner] for corner in corners]
-        )  # (2^n, draws)
-        weights = np.prod(np.where(corners[:, None, :] == 1, frac, 1.0 - frac), axis=2)
-        inside = np.all(rows >= 0, axis=0)
-        nearest = np.zeros(n, dtype="int64")
-        nearest[~inside] = self._nearest_nodes(H[~inside])
-        rows = np.where(inside, rows, nearest)
-        weights = np.where(inside, weights, 0.0)
-        weights[0] = np.where(inside, weights[0], 1.0)
-        dh = np.where(inside[:, None], 0.0, H - self._node_h()[nearest])
-        for m, L, U, idx in zip(nodes.means, nodes.factors, responses, g.flat_maps, strict=True):
+        corners = node_corners(nodes.index, (H - nodes.centre) / nodes.scales)
+        for m, L, idx in zip(nodes.means, nodes.factors, g.flat_maps, strict=True):
             e = rng.standard_normal((n, *m.shape[1:]))
-            out = np.tensordot(dh, U, [[1], [-1]])
-            # L^{-T} once per node, not per draw and corner
+            # L^{-T} once per node, and one product per node, not a factor per draw
             A = np.linalg.solve(
                 np.swapaxes(L, -1, -2), np.broadcast_to(np.eye(L.shape[-1]), L.shape)
             )
-            for r, w in zip(rows, weights, strict=True):
+            out = np.zeros((n, *m.shape[1:]))
+            for r, w in corners:
                 noise = np.empty_like(e)
-                for node in np.unique(r):  # one product per node, not a factor per draw
+                for node in np.unique(r):
                     sel = r == node
                     noise[sel] = np.einsum("rij,drj->dri", A[node], e[sel])
                 out += _expand(w, m[r]) * (m[r] + noise)
             flat[:, np.asarray(idx).reshape(-1)] = out.reshape(n, -1)
+
+
+def node_corners(index, t) -> list:
+    """``[(rows, weights)]``, one pair per corner of the cell of :data:`LADDER` around
+    each point ``t`` (``(draws, n_h)``, clipped to the ladder): the node's row in
+    ``index`` (``(m, n_h)`` ladder positions of the evaluated nodes) and its
+    multilinear weight. A corner that was not evaluated passes its weight to the
+    nearest node that was.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> c = int(np.flatnonzero(LADDER == 0)[0])
+    >>> index = np.array([[c], [c + 1]])  # nodes at t = 0 and 1
+    >>> [(r.tolist(), np.round(w, 2).tolist()) for r, w in node_corners(index, np.array([[0.25]]))]
+    [([0], [0.75]), ([1], [0.25])]
+    """
+    n_h = index.shape[1]
+    lookup = np.full((len(LADDER),) * n_h, -1)
+    lookup[tuple(index.T)] = np.arange(len(index))
+    cell = np.clip(np.searchsorted(LADDER, t, side="right") - 1, 0, len(LADDER) - 2)
+    frac = np.clip((t - LADDER[cell]) / (LADDER[cell + 1] - LADDER[cell]), 0.0, 1.0)
+    out = []
+    for corner in itertools.product((0, 1), repeat=n_h):
+        at = cell + np.array(corner)
+        rows = lookup[tuple(at.T)]
+        missing, inverse = np.unique(at[rows < 0], axis=0, return_inverse=True)
+        near = [int(np.argmin(((index - c) ** 2).sum(1))) for c in missing]
+        rows[rows < 0] = np.asarray(near, dtype="int64")[inverse.ravel()]
+        out.append((rows, np.prod(np.where(np.array(corner) == 1, frac, 1.0 - frac), axis=1)))
+    return out
 
 
 def _inlined(inputs, outputs):

@@ -76,6 +76,7 @@ from pymc_mcssvi.algorithms.profile_grid import (
     MAX_GRID_POINTS,
     GridMarginal,
     grid_marginal,
+    grid_wanted,
     grow_grid,
 )
 from pymc_mcssvi.algorithms.rayleigh import RayleighGlobals
@@ -98,6 +99,7 @@ from pymc_mcssvi.pymc.conditional import (
     ConditionalGlobals,
     GridNodes,
     held_bytes,
+    node_corners,
 )
 from pymc_mcssvi.pymc.locals import (
     LocalGroup,
@@ -1281,6 +1283,28 @@ class StructuredVI(Inference):
             )
         return self._conditional_globals
 
+    def _grid_wanted(self, prof, centre, am, mu) -> bool:
+        """Whether the axis marginal ``am`` misses a heavy tail or a bending ridge of the
+        profile (:func:`~pymc_mcssvi.algorithms.profile_grid.grid_wanted`; the corners
+        cost 4 re-fits per pair of axes). Logged at INFO."""
+        V, s = np.asarray(am.directions), np.asarray(am.scales)
+        corners = []
+        try:
+            with np.errstate(all="ignore"), self._blas_limits(None):
+                for idx in off_axis_nodes(len(s)):
+                    h = mu + V @ (s * NODES[idx])
+                    corners.append(prof.refit(h, *prof.start(h, centre, mu)).value - centre.value)
+        except FloatingPointError:  # the bound is not finite there: not a Gaussian's corner
+            return True
+        wanted, tail, corner = grid_wanted(am.log_density, np.asarray(corners))
+        logger.info(
+            "q(h) %s: profile falls %.2f nats at 4 sds, corners depart %.2f nats",
+            "gridded" if wanted else "not gridded",
+            tail,
+            corner,
+        )
+        return wanted
+
     def _profile_grid(self, mu, P, seeds):
         """``(GridMarginal, D)``: the profile on a grid around ``mu`` in coordinates scaled
         by the conditional sds ``D`` of the Gaussian with precision ``P`` (see
@@ -1406,7 +1430,7 @@ class StructuredVI(Inference):
             )
             return
         joint = None
-        if getattr(self, "_grid", None) is not None:
+        if getattr(self, "_grid", None) is not None and self._grid_wanted(prof, centre, am, mu):
             seeds = [mu] + [mu + z * s[j] * V[:, j] for j in range(len(s)) for z in AXIS_POINTS]
             joint = self._profile_grid(mu, P, list(zip(seeds, refits, strict=True)))
         if joint is not None:
@@ -2017,23 +2041,10 @@ def _node_moments(nodes: GridNodes, gm: GridMarginal, flat_maps, size, fitted):
     each cell. Returned: the mean's shift from ``fitted``, ``R`` with ``R R^T`` that
     covariance, the cross-covariance, and per segment the lower Cholesky factor of the
     inverse of the nodes' covariances averaged with weights ``E[phi]``."""
-    idx = nodes.index
-    n_h, k = idx.shape[1], len(idx)
-    lookup = np.full((len(LADDER),) * n_h, -1)
-    lookup[tuple(idx.T)] = np.arange(k)
-    t = gm.points
-    cell = np.clip(np.searchsorted(LADDER, t, side="right") - 1, 0, len(LADDER) - 2)
-    frac = np.clip((t - LADDER[cell]) / (LADDER[cell + 1] - LADDER[cell]), 0.0, 1.0)
-    h = nodes.centre + t * nodes.scales
+    k, n_h = nodes.index.shape
+    h = nodes.centre + gm.points * nodes.scales
     h_mean = gm.mass @ h
-    corners = []
-    for corner in np.indices((2,) * n_h).reshape(n_h, -1).T:
-        at = np.minimum(cell + corner, len(LADDER) - 1)
-        rows = lookup[tuple(at.T)]
-        missing, inverse = np.unique(at[rows < 0], axis=0, return_inverse=True)
-        near = [int(np.argmin(((idx - c) ** 2).sum(1))) for c in missing]
-        rows[rows < 0] = np.asarray(near, dtype="int64")[inverse.ravel()]
-        corners.append((rows, np.prod(np.where(corner == 1, frac, 1.0 - frac), axis=1)))
+    corners = node_corners(nodes.index, gm.points)
     W = np.zeros(k * k)
     Q = np.zeros((k, n_h))
     for rows, w in corners:

@@ -34,7 +34,7 @@ import pytensor.tensor as pt
 from scipy.interpolate import CubicSpline
 from scipy.special import ndtr
 
-from pymc_mcssvi.algorithms.marginal import EPS_GRID
+from pymc_mcssvi.algorithms.marginal import AXIS_POINTS, EPS_GRID
 
 __all__ = [
     "GRID_DROP",
@@ -169,7 +169,6 @@ def grid_wanted(axis_values, corner_values) -> tuple[bool, float, float]:
     A Gaussian profile with independent axes needs no grid; a slow tail does:
 
     >>> import numpy as np
-    >>> from pymc_mcssvi.algorithms.marginal import AXIS_POINTS
     >>> d = np.tile(-0.5 * AXIS_POINTS**2, (2, 1))
     >>> grid_wanted(d, np.full(4, -4.0))[0]
     False
@@ -177,8 +176,6 @@ def grid_wanted(axis_values, corner_values) -> tuple[bool, float, float]:
     >>> grid_wanted(d, np.full(4, -4.0))[0]
     True
     """
-    from pymc_mcssvi.algorithms.marginal import AXIS_POINTS
-
     d = np.asarray(axis_values, dtype="float64")
     ends = d[:, np.abs(AXIS_POINTS) == 4.0]
     tail = float(-np.max(ends)) if np.all(np.isfinite(ends)) else np.inf

@@ -1317,18 +1317,13 @@ class StructuredVI(Inference):
         n = len(mu)
         D = 1.0 / np.sqrt(np.diag(P))
         R = P * D[:, None] * D[None, :]
-        split = np.cumsum([int(np.prod(shp)) for shp in spec.shapes])[:-1]
-
-        def by_variable(H):
-            parts = np.split(H, split, axis=1)
-            return [x.reshape((len(H), *shp)) for x, shp in zip(parts, spec.shapes, strict=True)]
 
         store = {}
         seed_h = np.array([h for h, _ in seeds])
 
         def evaluate(nodes, parents):
             H = mu + LADDER[nodes] * D
-            size = int(max(1, BATCH_BYTES // cg.bytes_per_draw(by_variable(H[:2]))))
+            size = int(max(1, BATCH_BYTES // cg.bytes_per_draw(_by_variable(H[:2], spec.shapes))))
             values = np.empty(len(nodes))
             for lo in range(0, len(nodes), size):
                 sl = slice(lo, lo + size)
@@ -1348,14 +1343,16 @@ class StructuredVI(Inference):
                         H[sl],  # not moved by the response of the fitted q(w): it
                         # overshoots from far nodes (the ladder spacing there is 8-16 sds)
                     )
-                means, factors, values[sl] = cg.refit(by_variable(H[sl]), start=start)
+                means, factors, values[sl] = cg.refit(_by_variable(H[sl], spec.shapes), start=start)
                 for i, node in enumerate(nodes[sl]):
                     store[tuple(node)] = ([m[i] for m in means], [f[i] for f in factors])
             return values
 
         try:
             with threadpool_limits(limits=1, user_api="blas"), np.errstate(all="ignore"):
-                if not cg.affordable(MAX_GRID_POINTS, by_variable(np.tile(mu, (2, 1)))):
+                if not cg.affordable(
+                    MAX_GRID_POINTS, _by_variable(np.tile(mu, (2, 1)), spec.shapes)
+                ):
                     logger.info("q(h) not gridded: its re-fits are not affordable")
                     return None
                 values = grow_grid(evaluate, lambda t: -0.5 * np.einsum("mi,ij,mj->m", t, R, t), n)
@@ -1597,13 +1594,11 @@ class StructuredVI(Inference):
             )
             # float64 points into a floatX=float32 model's hyperparameters
             fn = pm_compile(inputs, outputs, allow_input_downcast=True, **ck)
-        split = np.cumsum([int(np.prod(shp)) for shp in hyp.spec.shapes])[:-1]
         shapes = hyp.spec.shapes
         nseg = self.kernel.nseg
 
         def step(h, rho, means, factors):
-            hs = [x.reshape(shp) for x, shp in zip(np.split(h, split), shapes, strict=True)]
-            out = fn(*hs, rho, *means, *factors)
+            out = fn(*_by_variable(h, shapes), rho, *means, *factors)
             k = 1 + 2 * nseg
             return out[0], out[1 : 1 + nseg], out[1 + nseg : k], out[k], out[k + 1 :]
 
@@ -1999,6 +1994,21 @@ class SDSVI(StructuredVI):
     algorithm_cls = SDSVIStep
     default_mean_optimizer = ("adam", 0.1)
     default_factor_optimizer = ("adam", 0.1)
+
+
+def _by_variable(H, shapes) -> list:
+    """Flat hyperparameter vectors ``(..., n_h)`` split into one array per value variable,
+    ``(..., *shape)`` each.
+
+    Examples
+    --------
+    >>> [x.shape for x in _by_variable(np.zeros((5, 7)), [(), (2, 3)])]
+    [(5,), (5, 2, 3)]
+    """
+    H = np.asarray(H)
+    split = np.cumsum([int(np.prod(shp)) for shp in shapes])[:-1]
+    parts = np.split(H, split, axis=-1)
+    return [x.reshape((*H.shape[:-1], *shp)) for x, shp in zip(parts, shapes, strict=True)]
 
 
 def _grid_axis_marginal(am, gm: GridMarginal, D):

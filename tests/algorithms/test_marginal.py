@@ -159,14 +159,15 @@ def test_predicted_gain_of_a_profile_step_against_the_bound_after_it(likelihood,
         np.testing.assert_allclose(predicted, realized, rtol=0.05)
 
 
-def _exact_mean_of_scale(g, x, y, G):
-    """E[sd_a | y] from the closed-form marginal likelihood on a grid of (log sd_a, log sigma)."""
+def _exact_scale_posterior(g, x, y, G, ha):
+    """Posterior of ``log sd_a`` at the points ``ha``, from the closed-form marginal
+    likelihood (effects and fixed effects integrated out) on a grid of
+    ``(log sd_a, log sigma)``: probabilities summing to 1."""
     n = len(y)
     D0 = np.column_stack([np.ones(n), x])
     A = D0 @ np.diag([25.0, 6.25]) @ D0.T
     Z = np.eye(G)[g]
     ZZ = Z @ Z.T
-    ha = np.linspace(np.log(0.002), np.log(2.0), 120)
     hy = np.linspace(np.log(0.7), np.log(1.4), 40)
     lp = np.empty((ha.size, hy.size))
     for i, a in enumerate(ha):
@@ -177,8 +178,13 @@ def _exact_mean_of_scale(g, x, y, G):
             # HalfNormal(1) priors and the log-transform Jacobian
             lp[i, j] = -0.5 * r @ r - np.log(np.diag(L)).sum() - 0.5 * (sa**2 + sy**2) + a + b
     w = np.exp(lp - lp.max())
-    w /= w.sum()
-    return float((w.sum(1) * np.exp(ha)).sum())
+    return w.sum(1) / w.sum()
+
+
+def _exact_mean_of_scale(g, x, y, G):
+    """E[sd_a | y] from :func:`_exact_scale_posterior`."""
+    ha = np.linspace(np.log(0.002), np.log(2.0), 120)
+    return float(_exact_scale_posterior(g, x, y, G, ha) @ np.exp(ha))
 
 
 @pytest.mark.parametrize("centered", [True, False], ids=["centered", "noncentered"])

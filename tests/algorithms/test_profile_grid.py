@@ -6,30 +6,15 @@ import pytest
 
 import pymc_mcssvi
 from pymc_mcssvi.pymc import inference
-from tests.algorithms.test_marginal import _lmm, _lmm_model
+from tests.algorithms.test_marginal import _exact_scale_posterior, _lmm, _lmm_model
 
 
 def _exact_scale_marginal(g, x, y, G):
-    """Posterior of ``sd_a`` of the Gaussian LMM from its closed-form marginal likelihood
-    (effects and fixed effects integrated out) on a fine grid of ``(log sd_a, log sigma)``:
-    its mean and 5% quantile."""
-    n = len(y)
-    D0 = np.column_stack([np.ones(n), x])
-    A = D0 @ np.diag([25.0, 6.25]) @ D0.T
-    Z = np.eye(G)[g]
-    ZZ = Z @ Z.T
+    """Mean and 5% quantile of the exact posterior of ``sd_a``
+    (:func:`~tests.algorithms.test_marginal._exact_scale_posterior`), on a grid reaching
+    far into its left tail."""
     ha = np.linspace(np.log(0.0005), np.log(2.0), 200)
-    hy = np.linspace(np.log(0.7), np.log(1.4), 40)
-    lp = np.empty((ha.size, hy.size))
-    for i, a in enumerate(ha):
-        for j, b in enumerate(hy):
-            sa, sy = np.exp(a), np.exp(b)
-            L = np.linalg.cholesky(A + sa**2 * ZZ + sy**2 * np.eye(n))
-            r = np.linalg.solve(L, y)
-            # HalfNormal(1) priors and the log-transform Jacobian
-            lp[i, j] = -0.5 * r @ r - np.log(np.diag(L)).sum() - 0.5 * (sa**2 + sy**2) + a + b
-    w = np.exp(lp - lp.max())
-    p = w.sum(1) / w.sum()
+    p = _exact_scale_posterior(g, x, y, G, ha)
     return float(p @ np.exp(ha)), float(np.exp(np.interp(0.05, np.cumsum(p), ha)))
 
 

@@ -39,6 +39,7 @@ from pymc_mcssvi.algorithms.marginal import AXIS_POINTS, EPS_GRID
 __all__ = [
     "GRID_DROP",
     "GRID_STEP",
+    "GRID_FLOOR_MARGIN",
     "LADDER",
     "MAX_CONDITIONAL_ROWS",
     "MAX_GRID_HYPERS",
@@ -64,6 +65,9 @@ LADDER = np.array(
 )
 #: Nodes whose profile is more than this many nats below the largest do not grow the grid.
 GRID_DROP = 9.0
+#: Re-fits at nodes whose profile stays this far below the growth threshold
+#: (``GRID_DROP`` below the highest) stop early, unconverged (nats).
+GRID_FLOOR_MARGIN = 3.0
 #: Most grid nodes evaluated (above it the grid stops growing).
 MAX_GRID_POINTS = 600
 #: Spacing of the fine grid the density is interpolated on (conditional sds).

@@ -71,6 +71,8 @@ from pymc_mcssvi.algorithms.marginal import (
 from pymc_mcssvi.algorithms.mcssvi import MCSSVIStep
 from pymc_mcssvi.algorithms.optimizers import make_optimizer
 from pymc_mcssvi.algorithms.profile_grid import (
+    GRID_DROP,
+    GRID_FLOOR_MARGIN,
     LADDER,
     MAX_GRID_HYPERS,
     MAX_GRID_POINTS,
@@ -1320,6 +1322,9 @@ class StructuredVI(Inference):
 
         store = {}
         seed_h = np.array([h for h, _ in seeds])
+        # the highest profile value so far: nodes re-fitted to well below the grid's
+        # growth threshold under it stop early (their mass is below e^-12 of the top's)
+        top = [max(r.value for _, r in seeds)]
 
         def evaluate(nodes, parents):
             H = mu + LADDER[nodes] * D
@@ -1343,7 +1348,12 @@ class StructuredVI(Inference):
                         H[sl],  # not moved by the response of the fitted q(w): it
                         # overshoots from far nodes (the ladder spacing there is 8-16 sds)
                     )
-                means, factors, values[sl] = cg.refit(_by_variable(H[sl], spec.shapes), start=start)
+                means, factors, values[sl] = cg.refit(
+                    _by_variable(H[sl], spec.shapes),
+                    start=start,
+                    floor=top[0] - GRID_DROP - GRID_FLOOR_MARGIN,
+                )
+                top[0] = max(top[0], float(np.max(values[sl])))
                 for i, node in enumerate(nodes[sl]):
                     store[tuple(node)] = ([m[i] for m in means], [f[i] for f in factors])
             return values

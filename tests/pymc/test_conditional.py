@@ -84,3 +84,56 @@ def test_special_functions_count_in_the_refit_budget(rng):
         hs = [np.asarray(approx.sample_dict_fn(2, random_seed=0)[n]) for n in names]
         assert sampler.affordable(1000) and sampler.affordable(1000, hs) != expensive
         assert (sampler._measure(hs)[1] > 0) == expensive
+
+
+def _poisson_intercepts(rng, G=6, n=90):
+    g = np.concatenate([np.arange(G), rng.integers(0, G, n - G)])
+    y = rng.poisson(np.exp(0.5 + rng.normal(scale=0.6, size=G)[g]))
+    with pm.Model() as m:
+        b0 = pm.Normal("b0", 0, 2)
+        sd_a = pm.HalfNormal("sd_a", 1)
+        a = pm.Normal("a", 0, sd_a, shape=G)
+        pm.Poisson("y", pm.math.exp(b0 + a[g]), observed=y)
+    return m
+
+
+def _counting(sampler):
+    """Wrap the compiled re-fit step to record the draws each call computed."""
+    sampler.refit([np.zeros(1)], max_steps=1)  # compiles it
+    fn, rows = sampler._fn, []
+
+    def step(hs, *args):
+        rows.append(hs[0].shape[0])
+        return fn(hs, *args)
+
+    sampler._fn = step
+    return rows
+
+
+def test_batched_refits_match_single_draws_and_stop_each_on_its_own(rng):
+    """Non-conjugate re-fits converge in different numbers of steps: each draw of a batch
+    stops on its own (later calls compute the draws still moving only) and ends where
+    its re-fit alone does; with a ``floor`` a draw far below it stops early, below it and
+    below its converged value, while the draws above it are unchanged."""
+    m = _poisson_intercepts(rng)
+    with m:
+        approx = pm.fit(method="hmcssvi", random_seed=1, progressbar=False)
+    sampler = approx._conditional_samplers()[0]
+    rows = _counting(sampler)
+    h = np.array([-6.0, -1.0, -0.5, 0.4])  # log sd_a: the first far in the tail
+    means, _, values = sampler.refit([h])
+    assert np.isfinite(values).all()
+    assert rows[0] == 4 and min(rows) < 4  # converged draws left the batch
+    full = sum(rows)
+    for i in range(len(h)):
+        m_i, _, v_i = sampler.refit([h[i : i + 1]])
+        np.testing.assert_allclose(v_i[0], values[i], rtol=0, atol=1e-9)
+        for a, b in zip(m_i, means, strict=True):
+            np.testing.assert_allclose(a[0], b[i], atol=1e-8)
+    rows.clear()
+    floor = values[1:].min() - 1.0
+    assert values[0] < floor - 5.0
+    _, _, floored = sampler.refit([h], floor=floor)
+    np.testing.assert_allclose(floored[1:], values[1:], rtol=0, atol=1e-9)
+    assert floored[0] < floor and floored[0] <= values[0] + 1e-9
+    assert sum(rows) < full  # the far draw stopped early

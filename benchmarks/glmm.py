@@ -1102,7 +1102,7 @@ def render(results) -> str:
             else f", edited during the run: {meta.get('code_end', {}).get('plugin_sources_sha1', '?')} at the end"
         )
         + f"). Load average at start {meta.get('load_start')}, at end {meta.get('load_end')}. "
-        f"Script: `python benchmarks/glmm.py`{' --reuse-nuts' if meta.get('reuse_nuts') else ''}; raw numbers in "
+        f"Script: `python benchmarks/glmm.py{' --reuse-nuts' if meta.get('reuse_nuts') else ''}`; raw numbers in "
         "`benchmarks/results/glmm.json`.\n"
     )
     L.append(

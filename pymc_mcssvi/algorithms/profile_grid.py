@@ -38,8 +38,8 @@ from pymc_mcssvi.algorithms.marginal import AXIS_POINTS, EPS_GRID
 
 __all__ = [
     "GRID_DROP",
-    "GRID_STEP",
     "GRID_FLOOR_MARGIN",
+    "GRID_STEP",
     "LADDER",
     "MAX_CONDITIONAL_ROWS",
     "MAX_GRID_HYPERS",

@@ -56,6 +56,7 @@ __all__ = [
     "SPECIAL_FUNCTIONS",
     "SPECIAL_FUNCTION_FLOPS",
     "held_bytes",
+    "step_measure",
     "ConditionalGlobals",
 ]
 
@@ -166,17 +167,20 @@ class ConditionalGlobals:
         do not pickle); it is compiled again on first use."""
         return {**self.__dict__, "_fn": None}
 
-    def affordable(self, draws: int, hs=None) -> bool:
+    def affordable(self, draws: int, hs=None, measured=None) -> bool:
         """Whether ``draws`` re-fits fit in :data:`EXACT_CONDITIONAL_WORK` (the fit's flop
         estimate) and, given the first draws ``hs`` of the hyperparameters, in
         :data:`EXACT_CONDITIONAL_BYTES` (the compiled step's memory, measured) and
         :data:`EXACT_CONDITIONAL_WORK` again with the step's special functions
-        counted at :data:`SPECIAL_FUNCTION_FLOPS` each (measured)."""
+        counted at :data:`SPECIAL_FUNCTION_FLOPS` each (measured). ``measured =
+        (bytes, special elements)`` per draw, from another compiled step of one
+        re-fit (:func:`step_measure`), stands in for measuring this one (whose
+        compilation it then spares)."""
         if draws * EXPECTED_STEPS * self.work_per_draw > EXACT_CONDITIONAL_WORK:
             return False
-        if hs is None:
+        if hs is None and measured is None:
             return True
-        nbytes, specials = self._measure(hs)
+        nbytes, specials = measured if measured is not None else self._measure(hs)
         if draws * EXPECTED_STEPS * nbytes > EXACT_CONDITIONAL_BYTES:
             return False
         work = self.work_per_draw + SPECIAL_FUNCTION_FLOPS * specials
@@ -480,6 +484,15 @@ def _special_elements(fn) -> int:
         if isinstance(op, Elemwise) and type(op.scalar_op).__name__ in SPECIAL_FUNCTIONS:
             total += sum(getattr(fn.vm.storage_map[o][0], "size", 0) for o in node.outputs)
     return total
+
+
+def step_measure(fn):
+    """``(bytes, special elements)`` a compiled function's Python VM held in its last
+    call (:func:`held_bytes`, :func:`_special_elements`), or ``None`` for a function
+    without one (JAX, numba)."""
+    if getattr(fn, "vm", None) is None or not hasattr(fn.vm, "storage_map"):
+        return None
+    return float(held_bytes(fn)), float(_special_elements(fn))
 
 
 def held_bytes(fn) -> int:

@@ -102,6 +102,7 @@ from pymc_mcssvi.pymc.conditional import (
     GridNodes,
     held_bytes,
     node_corners,
+    step_measure,
 )
 from pymc_mcssvi.pymc.locals import (
     LocalGroup,
@@ -1307,13 +1308,35 @@ class StructuredVI(Inference):
         )
         return wanted
 
+    def _grid_affordable(self, mu) -> bool:
+        """Whether the grid's batched re-fits fit the re-fits' budget
+        (:meth:`~pymc_mcssvi.pymc.conditional.ConditionalGlobals.affordable` for
+        :data:`~pymc_mcssvi.algorithms.profile_grid.MAX_GRID_POINTS` points), judged from
+        the memory the profile's own step held (one re-fit at one point, already
+        compiled and run; 1.10-1.18x the batched step's per draw on the GLMM benchmark,
+        as it also holds the data): the batched step is compiled only for a grid that
+        is affordable (logged at INFO when not)."""
+        spec = self.kernel.hypers.spec
+        measured = (
+            step_measure(self._profile_fn.fn)
+            if self.backend_used in (None, "python")  # the re-fits' own mode
+            else None  # measured on the batched step itself
+        )
+        with threadpool_limits(limits=1, user_api="blas"), np.errstate(all="ignore"):
+            hs = _by_variable(np.tile(mu, (2, 1)), spec.shapes)
+            ok = self._batched_refits().affordable(MAX_GRID_POINTS, hs, measured=measured)
+        if not ok:
+            logger.info("q(h) not gridded: its re-fits are not affordable")
+        return ok
+
     def _profile_grid(self, mu, P, seeds):
         """``(GridMarginal, D)``: the profile on a grid around ``mu`` in coordinates scaled
         by the conditional sds ``D`` of the Gaussian with precision ``P`` (see
         :mod:`~pymc_mcssvi.algorithms.profile_grid`), or ``None`` when its batched
         re-fits are not affordable or fail (logged at INFO; the axis marginal stays).
         ``seeds`` are ``(h, Refit)`` pairs (the axis marginal's re-fits): the first
-        round's re-fits start from the nearest one, moved by the linear response."""
+        round's re-fits start from the nearest one, moved by the linear response; the
+        caller has checked that they are affordable (:meth:`_grid_affordable`)."""
         cg = self._batched_refits()
         spec = self.kernel.hypers.spec
         n = len(mu)
@@ -1360,11 +1383,6 @@ class StructuredVI(Inference):
 
         try:
             with threadpool_limits(limits=1, user_api="blas"), np.errstate(all="ignore"):
-                if not cg.affordable(
-                    MAX_GRID_POINTS, _by_variable(np.tile(mu, (2, 1)), spec.shapes)
-                ):
-                    logger.info("q(h) not gridded: its re-fits are not affordable")
-                    return None
                 values = grow_grid(evaluate, lambda t: -0.5 * np.einsum("mi,ij,mj->m", t, R, t), n)
                 gm = grid_marginal(values, n)
         except Exception as err:  # the axis marginal stays
@@ -1437,7 +1455,11 @@ class StructuredVI(Inference):
             )
             return
         joint = None
-        if getattr(self, "_grid", None) is not None and self._grid_wanted(prof, centre, am, mu):
+        if (
+            getattr(self, "_grid", None) is not None
+            and self._grid_affordable(mu)
+            and self._grid_wanted(prof, centre, am, mu)
+        ):
             seeds = [mu] + [mu + z * s[j] * V[:, j] for j in range(len(s)) for z in AXIS_POINTS]
             joint = self._profile_grid(mu, P, list(zip(seeds, refits, strict=True)))
         if joint is not None:
@@ -1612,6 +1634,7 @@ class StructuredVI(Inference):
             k = 1 + 2 * nseg
             return out[0], out[1 : 1 + nseg], out[1 + nseg : k], out[k], out[k + 1 :]
 
+        step.fn = fn
         return step
 
     def _warn_collapsed_scales(self):

@@ -1135,7 +1135,8 @@ def render(results) -> str:
         + (
             f"; before the first fit a trivial function is compiled with the C and numba backends "
             f"({meta['process_warmup_s']:.1f} s: the C VM's module and numba's initialization, "
-            "which the first method timed would otherwise pay for all).\n"
+            "which the first method timed would otherwise pay for all; ops compiled by the first "
+            "fits are still reused by later ones).\n"
             if "process_warmup_s" in meta
             else ".\n"
         )
@@ -1452,9 +1453,11 @@ def main(argv=None):
 def process_warmup() -> float:
     """Pay the process's one-time set-up before any timed fit: PyTensor's C VM module
     (built into the fresh compile cache on first use) and numba's initialization, each
-    through a trivial function. Otherwise the first method timed pays them for all the
-    others (the first H-MC-SSVI fit of a run took 2.2 s of set-up where the same fit
-    took 1.3 s in another run; the first ADVI fit 22 s where the next took 5 s)."""
+    through a trivial function (0.9 s), which the first method timed would otherwise
+    pay for all the others. The first fits of a run still compile ops whose cached code
+    later fits reuse (with this warm-up the first H-MC-SSVI fit's set-up was 2.0 s,
+    against 1.3 s for the same fit later; the first ADVI fit's 19 s, the next 5 s):
+    that is part of their cold cost."""
     import pytensor
     import pytensor.tensor as pt
 

@@ -1315,16 +1315,21 @@ class StructuredVI(Inference):
         the memory the profile's own step held (one re-fit at one point, already
         compiled and run; 1.10-1.18x the batched step's per draw on the GLMM benchmark,
         as it also holds the data): the batched step is compiled only for a grid that
-        is affordable (logged at INFO when not)."""
+        is affordable. Logged at INFO when not, and ``False`` when measuring the
+        batched step fails (the axis marginal stays, as for any failure of the grid)."""
         spec = self.kernel.hypers.spec
         measured = (
             step_measure(self._profile_fn.fn)
             if self.backend_used in (None, "python")  # the re-fits' own mode
             else None  # measured on the batched step itself
         )
-        with threadpool_limits(limits=1, user_api="blas"), np.errstate(all="ignore"):
-            hs = _by_variable(np.tile(mu, (2, 1)), spec.shapes)
-            ok = self._batched_refits().affordable(MAX_GRID_POINTS, hs, measured=measured)
+        try:
+            with threadpool_limits(limits=1, user_api="blas"), np.errstate(all="ignore"):
+                hs = _by_variable(np.tile(mu, (2, 1)), spec.shapes)
+                ok = self._batched_refits().affordable(MAX_GRID_POINTS, hs, measured=measured)
+        except Exception as err:  # the batched step failed to compile or run: no grid
+            logger.info("q(h) not gridded (%s: %s)", type(err).__name__, err)
+            return False
         if not ok:
             logger.info("q(h) not gridded: its re-fits are not affordable")
         return ok
@@ -1333,7 +1338,7 @@ class StructuredVI(Inference):
         """``(GridMarginal, D)``: the profile on a grid around ``mu`` in coordinates scaled
         by the conditional sds ``D`` of the Gaussian with precision ``P`` (see
         :mod:`~pymc_mcssvi.algorithms.profile_grid`), or ``None`` when its batched
-        re-fits are not affordable or fail (logged at INFO; the axis marginal stays).
+        re-fits fail (logged at INFO; the axis marginal stays).
         ``seeds`` are ``(h, Refit)`` pairs (the axis marginal's re-fits): the first
         round's re-fits start from the nearest one, moved by the linear response; the
         caller has checked that they are affordable (:meth:`_grid_affordable`)."""

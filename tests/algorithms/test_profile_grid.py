@@ -90,3 +90,22 @@ def test_grid_affordability_is_judged_without_compiling_the_batched_refit(monkey
         inf = pymc_mcssvi.HMCSSVI(random_seed=1)
         inf.fit(progressbar=False)
     assert int(inf._grid[0].get_value()) == 0 and inf._conditional_globals._fn is None
+
+
+def test_a_batched_refit_that_fails_keeps_the_axis_marginal(monkeypatch):
+    """Measuring the batched re-fit (where the profile's step cannot stand in for it)
+    compiles it: if that fails, the fit still ends, with the axis marginal."""
+    from pymc_mcssvi.pymc import conditional
+
+    def broken(self):
+        raise RuntimeError("cannot vectorize")
+
+    monkeypatch.setattr(inference, "step_measure", lambda fn: None)
+    monkeypatch.setattr(conditional.ConditionalGlobals, "_compile", broken)
+    rng = np.random.default_rng(0)
+    g, x, y = _lmm(rng, G=10)
+    with _lmm_model(g, x, y, 10, centered=False):
+        inf = pymc_mcssvi.HMCSSVI(random_seed=1)
+        approx = inf.fit(progressbar=False)
+    assert approx.converged and int(inf._grid[0].get_value()) == 0
+    assert int(inf._marginal[0].get_value()) == 1  # the axis marginal

@@ -1352,9 +1352,10 @@ class StructuredVI(Inference):
         seed_h = np.array([h for h, _ in seeds])
         # the highest profile value so far: nodes re-fitted to well below the grid's
         # growth threshold under it stop early (their mass is below e^-12 of the top's)
-        top = [max(r.value for _, r in seeds)]
+        top = max(r.value for _, r in seeds)
 
         def evaluate(nodes, parents):
+            nonlocal top
             H = mu + LADDER[nodes] * D
             size = int(max(1, BATCH_BYTES // cg.bytes_per_draw(_by_variable(H[:2], spec.shapes))))
             values = np.empty(len(nodes))
@@ -1379,9 +1380,9 @@ class StructuredVI(Inference):
                 means, factors, values[sl] = cg.refit(
                     _by_variable(H[sl], spec.shapes),
                     start=start,
-                    floor=top[0] - GRID_DROP - GRID_FLOOR_MARGIN,
+                    floor=top - GRID_DROP - GRID_FLOOR_MARGIN,
                 )
-                top[0] = max(top[0], float(np.max(values[sl])))
+                top = max(top, float(np.max(values[sl])))
                 for i, node in enumerate(nodes[sl]):
                     store[tuple(node)] = ([m[i] for m in means], [f[i] for f in factors])
             return values

@@ -152,11 +152,28 @@ def gallery_missing():
     rng = np.random.default_rng(5)
     X = rng.normal(size=(50, 3))
     y = X @ [1.0, -0.5, 0.25] + rng.normal(size=50)
-    y[[3, 17]] = np.nan  # PyMC would impute these two values
+    y[[3, 17]] = np.nan  # PyMC imputes these two values: 'y_unobserved'
+    X_new = rng.normal(size=(4, 3))
 
     with pm.Model() as model:
         w = pm.Normal("w", 0.0, 1.0, shape=3)
-        pm.Normal("y", X @ w, 1.0, observed=y)
+        sigma = pm.HalfNormal("sigma", 1.0)
+        pm.Normal("y", X @ w, sigma, observed=y)
+        pm.StudentT("y_new", nu=4, mu=X_new @ w, sigma=sigma)  # a prediction
+
+    print(pymc_mcssvi.describe(model))
+
+
+def gallery_switchpoint():
+    rng = np.random.default_rng(6)
+    counts = np.concatenate([rng.poisson(3.0, 40), rng.poisson(1.0, 60)])
+
+    with pm.Model() as model:
+        switch = pm.DiscreteUniform("switch", 0, 100)
+        early = pm.Normal("early", 0.0, 2.0)
+        late = pm.Normal("late", 0.0, 2.0)
+        log_rate = pm.math.switch(np.arange(100) < switch, early, late)
+        pm.Poisson("counts", pm.math.exp(log_rate), observed=counts)
 
     try:
         pymc_mcssvi.describe(model)
@@ -214,7 +231,18 @@ GALLERY = [
     ),
     (
         gallery_missing,
-        "A rejected model: missing values in the observed data",
+        "Missing observations and predictions written into the model",
+        "Nothing in the model reads `y_unobserved` (PyMC's imputation of the "
+        "`NaN`s) or `y_new`: their factor of the posterior is their prior given "
+        "`w` and `sigma`. They are left out of the fit, and `approx.sample()` draws "
+        "them from that prior at each draw of the other variables (exact, for any "
+        "distribution; named in `posterior.attrs['predictive_leaves']`). A matrix "
+        "with missing entries observed densely (`U @ V.T`) is fitted at its "
+        "observed entries as matrix factorization.",
+    ),
+    (
+        gallery_switchpoint,
+        "A rejected model: a discrete switchpoint",
         "Recognition fails before anything is compiled, with a message naming the "
         "variable and what to do instead.",
     ),

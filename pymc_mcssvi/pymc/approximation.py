@@ -507,6 +507,9 @@ class StructuredApproximation(Approximation):
         self.converged = None
         self.point_estimates: list[str] = []
         self.marginal_locals: list[str] = []
+        #: Free variables nothing reads, drawn from their prior given the others
+        #: (:mod:`~pymc_mcssvi.pymc.leaves`).
+        self.predictive_leaves: list[str] = []
         #: Zero-argument callables returning ``(samples, random_seed) -> {value name:
         #: new draws}``, applied in order to the draws (see
         #: :class:`~pymc_mcssvi.pymc.conditional.ConditionalGlobals` and
@@ -680,6 +683,7 @@ class StructuredApproximation(Approximation):
             for key, names in (
                 ("point_estimates", self.point_estimates),
                 ("marginal_locals", self.marginal_locals),
+                ("predictive_leaves", self.predictive_leaves),
             ):
                 if names:
                     out["posterior"].attrs[key] = list(names)

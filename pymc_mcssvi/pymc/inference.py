@@ -104,6 +104,7 @@ from pymc_mcssvi.pymc.conditional import (
     node_corners,
     step_measure,
 )
+from pymc_mcssvi.pymc.leaves import LeafGroup, initial_leaf_params, leaf_moments, leaf_sampler
 from pymc_mcssvi.pymc.locals import (
     LocalGroup,
     LocalMoments,
@@ -919,6 +920,16 @@ class StructuredVI(Inference):
             )
         if tlm.locals:
             groups.append(self._local_group())
+        if tlm.leaves:
+            self._leaf_params = initial_leaf_params(tlm.leaves)
+            groups.append(
+                LeafGroup(
+                    [leaf.rv for leaf in tlm.leaves],
+                    model=self.model,
+                    leaves=tlm.leaves,
+                    leaf_params=self._leaf_params,
+                )
+            )
         approx = StructuredApproximation(groups, model=self.model)
         approx.point_estimates = [h.name for h in tlm.hypers] if self.hyper_mode == "point" else []
         return approx
@@ -1253,6 +1264,9 @@ class StructuredVI(Inference):
                 for lc in self.tlm.locals
                 if lc.kind == "gaussian"
             ]
+        if self.tlm.leaves:
+            # last: a leaf may read any other variable, locals included
+            factories.append(functools.partial(leaf_sampler, self.model, self.tlm.leaves))
         self.approx.conditional_factories = factories
         self.approx.fitted_data_values = _data_values(self.model)
         self.approx.fitted_coords = {k: v for k, v in self.model.coords.items() if v is not None}
@@ -1267,6 +1281,10 @@ class StructuredVI(Inference):
                     self._local_moments,
                 )
             self.approx.marginal_locals = [lc.name for lc in self.tlm.locals]
+        if self.tlm.leaves:
+            with graph_building():
+                leaf_moments(self.approx, self.tlm.leaves, self._leaf_params)
+            self.approx.predictive_leaves = [leaf.name for leaf in self.tlm.leaves]
         return self.approx
 
     def _batched_refits(self) -> ConditionalGlobals:

@@ -5,7 +5,8 @@ factorization write the predictor of an ``(N, D)`` observed matrix densely:
 ``pm.math.dot(Z, W.T) + mu``, ``Z @ W.T``, ``(Z[:, None, :] * W[None]).sum(-1)``
 or ``pt.einsum("nk,dk->nd", Z, W)``. Entry ``(n, d)`` of such a predictor is
 ``Z[n] . W[d]``: the bilinear form of paper section 3.5 with the row indices of
-a fully observed matrix. :func:`flatten_dense_product` rewrites the observed
+a fully observed matrix (or, when the matrix has missing entries and PyMC
+observes ``Y[mask]``, of its observed entries). :func:`flatten_dense_product` rewrites the observed
 log density into that form, one entry per observation, so that the matrix
 factorization estimator (one ``K x K`` block per row of each factor) fits it
 instead of Monte Carlo + autodiff over all the coordinates at once.
@@ -17,7 +18,7 @@ import numpy as np
 import pytensor.tensor as pt
 from pytensor.compile.builders import OpFromGraph
 from pytensor.compile.rewriting import inline_ofg_node
-from pytensor.graph.basic import Variable
+from pytensor.graph.basic import Constant, Variable
 from pytensor.graph.replace import graph_replace
 from pytensor.graph.traversal import ancestors, graph_inputs, io_toposort
 from pytensor.scalar import basic as ps
@@ -26,6 +27,7 @@ from pytensor.tensor.blockwise import Blockwise
 from pytensor.tensor.elemwise import DimShuffle, Elemwise
 from pytensor.tensor.math import Dot, Sum
 from pytensor.tensor.shape import SpecifyShape
+from pytensor.tensor.subtensor import AdvancedSubtensor
 
 from pymc_mcssvi.recognize.graph import depends_on_any, evaluate_static
 
@@ -129,6 +131,21 @@ def _products(logp):
     return found
 
 
+def _masked_reads(logp):
+    """The reads ``x[mask]`` of ``(N, D)`` graphs by a constant boolean mask inside
+    ``logp`` (PyMC's observed part of a matrix with missing values), as
+    ``(read, x, mask)``."""
+    found = []
+    for v in ancestors([logp]):
+        node = v.owner
+        if node is None or not isinstance(node.op, AdvancedSubtensor) or len(node.inputs) != 2:
+            continue
+        x, idx = node.inputs
+        if x.ndim == 2 and isinstance(idx, Constant) and idx.dtype == "bool" and idx.ndim == 2:
+            found.append((v, x, np.asarray(idx.data)))
+    return found
+
+
 def flatten_dense_product(logp: Variable, shapes: dict) -> Variable | None:
     """``logp`` of an ``(N, D)`` observed matrix whose predictor holds a dense product
     ``A @ B.T`` of two matrices, rewritten with one entry per observation: the
@@ -136,6 +153,11 @@ def flatten_dense_product(logp: Variable, shapes: dict) -> Variable | None:
     each entry, and every element-wise operation between it and ``logp`` reads its
     other inputs at ``(s, d)`` (a gather of the broadcast axis: a column bias
     ``mu`` becomes ``mu[d]``). The flat ``logp`` has the same sum.
+
+    A matrix with missing values, which PyMC observes as ``Y[mask]`` (``logp`` of
+    shape ``(n,)`` reading its parameters as ``x[mask]``), is flattened the same
+    way at the observed entries only (``s, d = np.nonzero(mask)``, the order of
+    ``x[mask]``).
 
     Parameters
     ----------
@@ -165,9 +187,15 @@ def flatten_dense_product(logp: Variable, shapes: dict) -> Variable | None:
     >>> bool(np.allclose(flat.eval(vals), logp.eval(vals).ravel()))
     True
     """
-    if logp.ndim != 2:
+    if logp.ndim not in (1, 2):
         return None
     logp = _inline_einsums(logp)
+    reads, mask = [], None
+    if logp.ndim == 1:
+        reads = _masked_reads(logp)
+        if not reads or any(not np.array_equal(r[2], reads[0][2]) for r in reads):
+            return None
+        mask = reads[0][2]
     products = [
         p for p in _products(logp) if depends_on_any(p[1], shapes) and depends_on_any(p[2], shapes)
     ]
@@ -175,11 +203,13 @@ def flatten_dense_product(logp: Variable, shapes: dict) -> Variable | None:
         return None
     prod, A, B = products[0]
     shape = _current_shape(prod, shapes)
-    if shape is None or _current_shape(logp, shapes) != shape:
+    full = mask.shape if mask is not None else _current_shape(logp, shapes)
+    if shape is None or full != shape:
         return None
     N, D = shape
-    s = pt.constant(np.repeat(np.arange(N), D).astype("int64"), name="row_of_entry")
-    d = pt.constant(np.tile(np.arange(D), N).astype("int64"), name="col_of_entry")
+    rows, cols = np.nonzero(mask) if mask is not None else np.indices(shape).reshape(2, -1)
+    s = pt.constant(rows.astype("int64"), name="row_of_entry")
+    d = pt.constant(cols.astype("int64"), name="col_of_entry")
     flat_prod = (A[s] * B[d]).sum(-1)
     # the variables computed from the product (the rest is read at (s, d) as it is)
     downstream = {prod}
@@ -199,7 +229,7 @@ def flatten_dense_product(logp: Variable, shapes: dict) -> Variable | None:
             return _drop_axis(y, 0)[d]
         if bd:
             return _drop_axis(y, 1)[s]
-        return y.reshape((N * D,))
+        return y.reshape((N * D,)) if mask is None else y[s, d]
 
     def flat(v):
         if v in memo:
@@ -220,4 +250,10 @@ def flatten_dense_product(logp: Variable, shapes: dict) -> Variable | None:
         memo[v] = out
         return out
 
-    return flat(logp)
+    if mask is None:
+        return flat(logp)
+    flats = {read: flat(x) for read, x, _ in reads}
+    if any(f is None for f in flats.values()):
+        return None
+    out = graph_replace(logp, flats, strict=False)
+    return None if prod in ancestors([out]) else out

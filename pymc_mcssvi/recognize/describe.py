@@ -209,6 +209,17 @@ def describe(model: pm.Model | None = None, cov=None, *, show: bool = False) -> 
                 note=f"of {lc.observed!r}",
             )
         )
+    for leaf in tlm.leaves:
+        rows.append(
+            dict(
+                name=leaf.name,
+                role="predictive leaf",
+                distribution=_dist_name(leaf.rv),
+                shape=leaf.shape,
+                q="prior given the others",
+                note="nothing reads it: left out of the fit, drawn exactly by approx.sample",
+            )
+        )
     for h in tlm.hypers:
         rows.append(
             dict(

@@ -34,6 +34,7 @@ __all__ = [
     "Hyperparameter",
     "LocalLatent",
     "PairTerm",
+    "PredictiveLeaf",
     "PredictorTerm",
     "RayleighGlobal",
     "Segment",
@@ -114,6 +115,27 @@ class LocalLatent:
     kind: str
     observed: str
     support: int | None = None
+
+
+@dataclass
+class PredictiveLeaf:
+    """A free RV that nothing in the model depends on: a prediction written into the
+    model (``pm.Poisson("y_new", mu_new)``) or PyMC's ``<name>_unobserved`` for missing
+    observations.
+
+    Its factor of the posterior is its prior given the other variables, so the fit
+    leaves it out (it integrates to one in the bound) and ``approx.sample`` draws it
+    from that conditional at each draw of the others: exactly, for any distribution.
+    """
+
+    name: str
+    rv: Variable
+    value: Variable
+    shape: tuple[int, ...]
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=int))
 
 
 @dataclass
@@ -293,6 +315,7 @@ class TwoLevelModel:
     minibatch: bool = False
     rayleighs: list[RayleighGlobal] = field(default_factory=list)
     locals: list[LocalLatent] = field(default_factory=list)
+    leaves: list[PredictiveLeaf] = field(default_factory=list)
     scaling: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     bilinear_terms: list[BilinearTerm] = field(default_factory=list)

@@ -528,7 +528,7 @@ def bilinear_term(
     from pymc_mcssvi.recognize.dense_product import flatten_dense_product
     from pymc_mcssvi.recognize.ir import BilinearTerm
 
-    if logp.ndim == 2:
+    if logp.ndim in (1, 2):  # a dense product, of all entries or of the observed ones
         flat = flatten_dense_product(logp, {v: gshapes[v] for v in gvalues})
         if flat is not None:
             logp = flat

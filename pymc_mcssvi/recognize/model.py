@@ -123,7 +123,6 @@ def recognize(
 
 
 def _recognize(model, cov, bound, inner, n_inner) -> TwoLevelModel:
-    _check_imputation(model)
     for obs in model.observed_RVs:
         _check_observed_data(model, obs)
     _check_observed_shapes(model)
@@ -270,6 +269,7 @@ def _recognize(model, cov, bound, inner, n_inner) -> TwoLevelModel:
         minibatch=minibatch,
         rayleighs=roles.rayleighs,
         locals=roles.locals,
+        leaves=roles.leaves,
         scaling=scaling,
         notes=notes,
         bilinear_terms=bilinear_terms,
@@ -296,22 +296,6 @@ def _check_general_dim(tlm, point):
             "write the likelihood through an affine predictor (e.g. X @ w) or reduce the "
             "number of Gaussian globals",
         )
-
-
-def _check_imputation(model):
-    free = {rv.name for rv in model.free_RVs}
-    for obs in model.observed_RVs:
-        if obs.name.endswith("_observed"):
-            base = obs.name[: -len("_observed")]
-            if f"{base}_unobserved" in free:
-                raise UnsupportedModelError(
-                    base,
-                    f"the observed data contain missing values, and PyMC added '{base}_unobserved' to impute them",
-                    "drop the rows with missing values before building the model (or impute them "
-                    "yourself); for a matrix with missing entries (matrix factorization, PCA), "
-                    "observe the list of its entries: rows, cols = np.nonzero(~np.isnan(Y)), "
-                    "then (U[rows] * V[cols]).sum(-1) with observed=Y[rows, cols]",
-                )
 
 
 def _warn_scan_in_general_term(name, logp, gvalues):

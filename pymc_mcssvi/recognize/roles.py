@@ -2,6 +2,11 @@
 
 Order of decisions (ARCHITECTURE.md §1, §6):
 
+0. **predictive leaves** -- free variables that no observed variable, potential
+   or other free variable (except such leaves) depends on: predictions written
+   into the model and PyMC's ``<name>_unobserved`` imputations. They are left out
+   of the fit and drawn from their prior given the other variables
+   (:class:`~pymc_mcssvi.recognize.ir.PredictiveLeaf`);
 1. **locals** -- a ``pm.Normal`` (continuous) or ``pm.Bernoulli`` /
    ``pm.Categorical`` (discrete) variable with one entry per observation of
    exactly one observed variable, used by it elementwise, whose prior is
@@ -45,6 +50,7 @@ from pymc.logprob.abstract import _logprob
 from pymc.variational.minibatch_rv import MinibatchRandomVariable
 from pytensor.compile.rewriting import inline_ofg_node
 from pytensor.graph.basic import Constant
+from pytensor.graph.traversal import ancestors
 from pytensor.tensor.elemwise import DimShuffle, Elemwise
 from pytensor.tensor.random.basic import (
     BernoulliRV,
@@ -68,7 +74,13 @@ from pymc_mcssvi.recognize.graph import (
     lift_gathers,
     remove_checks,
 )
-from pymc_mcssvi.recognize.ir import GaussianGlobal, Hyperparameter, LocalLatent, RayleighGlobal
+from pymc_mcssvi.recognize.ir import (
+    GaussianGlobal,
+    Hyperparameter,
+    LocalLatent,
+    PredictiveLeaf,
+    RayleighGlobal,
+)
 from pymc_mcssvi.recognize.zerosum import LinearZeroSumTransform
 
 __all__ = ["Roles", "assign_roles", "base_op", "dist_params", "loc_and_others"]
@@ -182,6 +194,7 @@ class Roles:
     rayleighs: list[RayleighGlobal] = field(default_factory=list)
     locals: list[LocalLatent] = field(default_factory=list)
     hypers: list[Hyperparameter] = field(default_factory=list)
+    leaves: list[PredictiveLeaf] = field(default_factory=list)
     #: Elementwise log densities of the observed variables (checks removed), by RV:
     #: built once here (each ``model.logp`` call rewrites the model's graph).
     observed_logps: dict = field(default_factory=dict)
@@ -205,6 +218,30 @@ def _jittered(point, sd=0.3, seed=0):
         x = np.asarray(x)
         out[k] = x + rng.normal(0.0, sd, x.shape).astype(x.dtype) if x.dtype.kind == "f" else x
     return out
+
+
+def _find_leaves(model, free, values, params, obs_logps) -> list:
+    """Free variables that nothing but other such variables (and Deterministics) reads.
+
+    The largest set ``L`` of free RVs such that no observed variable, no potential
+    and no free RV outside ``L`` depends on a member's value. Empty when every free
+    variable would be in it (a model without data: there is nothing to fit).
+    """
+    if not obs_logps:
+        return []
+    readers = list(obs_logps.values())
+    if model.potentials:
+        readers += model.replace_rvs_by_values(list(model.potentials))
+    read = set(ancestors(readers))
+    leaves = [rv for rv in free if values[rv] not in read]
+    changed = True
+    while changed:
+        changed = False
+        read = set(ancestors([p for o in free if o not in leaves for p in params[o]]))
+        kept = [rv for rv in leaves if values[rv] not in read]
+        changed = len(kept) < len(leaves)
+        leaves = kept
+    return [] if len(leaves) == len(free) else leaves
 
 
 def _find_locals(model, free, values, vshape, params, obs_logps, ip):
@@ -445,6 +482,9 @@ def assign_roles(model) -> Roles:
             )
     params = {rv: model.replace_rvs_by_values(dist_params(rv)) for rv in free}
     obs_logps = _observed_logps(model)
+    leaf_rvs = _find_leaves(model, free, values, params, obs_logps)
+    leaves = [PredictiveLeaf(rv.name, rv, values[rv], vshape[rv]) for rv in leaf_rvs]
+    free = [rv for rv in free if rv not in leaf_rvs]
 
     locals_ = _find_locals(model, free, values, vshape, params, obs_logps, ip)
     local_rvs = {lc.rv for lc in locals_}
@@ -544,7 +584,13 @@ def assign_roles(model) -> Roles:
             return f"{name} prior with a transform ({tr})"
         return f"{name} prior"
 
-    roles = Roles(locals=locals_, rayleighs=rayleighs, observed_logps=obs_logps, initial_point=ip)
+    roles = Roles(
+        locals=locals_,
+        rayleighs=rayleighs,
+        leaves=leaves,
+        observed_logps=obs_logps,
+        initial_point=ip,
+    )
     for rv in rest:
         if rv in rayleigh_rvs:
             continue

@@ -89,16 +89,6 @@ def test_empty_observed_data():
             pm.fit(method="hmcssvi")
 
 
-def test_missing_values_imputed_by_pymc():
-    with pm.Model():
-        w = pm.Normal("w", 0, 1)
-        with pytest.warns(Warning):
-            pm.Normal("y", w, 1.0, observed=np.array([1.0, np.nan, 2.0]))
-        with pytest.raises(UnsupportedModelError, match="'y'.*missing values") as err:
-            pm.fit(method="mcssvi")
-    assert "observe the list of its entries" in str(err.value)  # a matrix's missing entries
-
-
 def test_discrete_free_variable():
     with pm.Model():
         k = pm.Poisson("k", 3.0)

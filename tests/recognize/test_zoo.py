@@ -30,6 +30,7 @@ GAUSS = "gaussian global"
 HYPER = "hyperparameter"
 RAYL = "rayleigh global"
 QUAD = "local, marginalized by quadrature"
+LEAF = "predictive leaf"
 
 
 def ENUM(k):
@@ -330,6 +331,22 @@ ZOO: dict[str, dict] = {
         predictor={"r": "bilinear"},
         q={"U": "block 12 x (3 x 3)", "V": "block 10 x (3 x 3)"},
     ),
+    "pmf_dense_missing": dict(
+        roles={"U": GAUSS, "V": GAUSS, "Y_unobserved": LEAF},
+        predictor={"Y_observed": "bilinear"},
+        q={"U": "block 12 x (3 x 3)", "V": "block 10 x (3 x 3)"},
+    ),
+    # ------------------------------------------- free variables nothing reads
+    "predictions_in_model": dict(
+        roles={"w": GAUSS, "y_new": LEAF, "noisy_new": LEAF},
+        predictor={"y": "dense affine"},
+        q={"w": "full (3 x 3)"},
+    ),
+    "missing_observed": dict(
+        roles={"w": GAUSS, "y_unobserved": LEAF},
+        predictor={"y_observed": "dense affine"},
+        q={"w": "full (3 x 3)"},
+    ),
     # ------------------------------------------------------ Rayleigh globals
     "gme_rayleigh": dict(
         roles={"w1": GAUSS, "w2": RAYL, "f": QUAD},
@@ -426,6 +443,7 @@ Q_OF_ROLE = {
     HYPER: "meanfield Gaussian or point (hyper=)",
     RAYL: "Rayleigh",
     QUAD: "integrated out",
+    LEAF: "prior given the others",
 }
 
 
@@ -593,7 +611,6 @@ def test_cov_override_unknown_structure(cov):
 ERRORS = [
     ("gamma_poisson", "lam", "no Gaussian"),
     ("gaussian_latent_only", "f", "no Gaussian"),
-    ("missing_observed", "y", "missing values"),
     ("nan_design_matrix", "y", "contains NaN values"),
     ("discrete_scalar_latent", "k", "discrete free variable"),
     ("bernoulli_wrong_size", "z", "discrete free variable"),

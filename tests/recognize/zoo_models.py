@@ -514,6 +514,20 @@ def pmf_with_biases():
     return m
 
 
+def pmf_dense_missing():
+    """A matrix with missing entries, observed densely: PyMC imputes them."""
+    rng = np.random.default_rng(44)
+    Y = rng.normal(size=(12, 10))
+    Y[rng.random(Y.shape) < 0.3] = np.nan
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", pm.ImputationWarning)
+        with pm.Model() as m:
+            U = pm.Normal("U", 0, 1, shape=(12, 3))
+            V = pm.Normal("V", 0, 1, shape=(10, 3))
+            pm.Normal("Y", U @ V.T, 0.5, observed=Y)
+    return m
+
+
 # ------------------------------------------------------------- Rayleigh globals
 def _gme_data(seed):
     rng, X, w_true = _data(seed)
@@ -720,6 +734,18 @@ def laplace_coefficients():
     with pm.Model() as m:
         w = pm.Laplace("w", 0, 1, shape=D)
         pm.Normal("y", X @ w, 1.0, observed=y)
+    return m
+
+
+def predictions_in_model():
+    """Predictions written into the model: free variables nothing reads."""
+    rng, X, w_true = _data(83)
+    y = rng.poisson(np.exp(0.3 * X @ w_true))
+    with pm.Model() as m:
+        w = pm.Normal("w", 0, 1, shape=D)
+        pm.Poisson("y", pm.math.exp(X @ w), observed=y)
+        y_new = pm.Poisson("y_new", pm.math.exp(X[:4] @ w))
+        pm.Normal("noisy_new", y_new, 1.0)
     return m
 
 

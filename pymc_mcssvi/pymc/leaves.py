@@ -1,0 +1,164 @@
+"""Predictive leaves in ``approx.sample``.
+
+A free variable that nothing in the model reads (no observed variable, no
+potential, no other free variable except such leaves) is a *predictive leaf*:
+a prediction written into the model (``pm.Poisson("y_new", pm.math.exp(X_new @
+b))``) or PyMC's ``<name>_unobserved`` for missing observations. Its factor of
+the posterior is its prior given its parents, so the bound leaves it out (it
+integrates to one) and ``approx.sample()`` draws it from that conditional at
+each draw of the other variables (:func:`leaf_sampler`): exact for any
+distribution, discrete ones included, and the draws carry the joint dependence
+on the other variables.
+
+The flat views (``approx.mean``, ``std``, ``cov``) and symbolic draws
+(``approx.sample_node``) of the leaves use their marginal means and sds,
+computed once after the fit from draws of the approximation
+(:func:`leaf_moments`). Leaves are listed in
+``posterior.attrs["predictive_leaves"]``.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import pytensor
+import pytensor.tensor as pt
+from pymc.logprob.utils import replace_rvs_by_values
+from pymc.pytensorf import compile as pm_compile
+from pymc.pytensorf import reseed_rngs
+from pymc.variational.opvi import Group, node_property
+from pytensor.compile.mode import Mode
+from pytensor.graph.replace import vectorize_graph
+from pytensor.tensor.random.type import RandomType
+
+__all__ = ["LeafGroup", "initial_leaf_params", "leaf_moments", "leaf_sampler"]
+
+#: Elements (draws x leaf entries) of one batch of leaf draws.
+BATCH_ELEMENTS = 2_000_000
+#: Draws of the approximation behind the leaves' marginal moments.
+MOMENT_DRAWS = 200
+
+
+@Group.register
+class LeafGroup(Group):
+    """Placeholders for the predictive leaves (see the module docstring): their
+    marginal means and sds; ``approx.sample`` replaces the draws by exact ones."""
+
+    __param_spec__ = {"leaf_marginals": ("d",)}
+    short_name = "predictive_leaves"
+    has_logq = False
+
+    def __init_group__(self, group):
+        # Group.__init_group__ refuses discrete variables; leaves may be discrete.
+        self.group = group
+        self.input = pt.vector(self.__class__.__name__ + "_symbolic_input")
+        self.replacements = collections.OrderedDict()
+        self.ordering = collections.OrderedDict()
+        self.leaves = self._kwargs["leaves"]
+        self._leaf_params = self._kwargs["leaf_params"]
+        start = 0
+        for leaf in self.leaves:
+            value = self.model.rvs_to_values[leaf.rv]
+            vr = self.input[..., start : start + leaf.size].reshape(leaf.shape).astype(value.dtype)
+            self.replacements[value] = vr
+            self.ordering[value.name] = (
+                value.name,
+                slice(start, start + leaf.size),
+                leaf.shape,
+                value.dtype,
+            )
+            start += leaf.size
+        self.symbolic_initial = self._initial_type(
+            self.__class__.__name__ + "_symbolic_initial_tensor"
+        )
+        self.shared_params = {
+            f"{leaf.name}_{k}": v
+            for leaf in self.leaves
+            for k, v in self._leaf_params[leaf.name].items()
+        }
+        self._finalize_init()
+
+    @node_property
+    def symbolic_random(self):
+        return self.mean[None] + self.std[None] * self.symbolic_initial
+
+    @node_property
+    def mean(self):
+        return pt.concatenate([self._leaf_params[leaf.name]["mean"] for leaf in self.leaves])
+
+    @node_property
+    def std(self):
+        return pt.concatenate([self._leaf_params[leaf.name]["sd"] for leaf in self.leaves])
+
+    @node_property
+    def cov(self):
+        return pt.diag(pt.square(self.std))
+
+
+def initial_leaf_params(leaves) -> dict:
+    """Shared containers for the leaves' marginal moments (filled after the fit)."""
+    return {
+        leaf.name: {
+            "mean": pytensor.shared(np.zeros(leaf.size), f"{leaf.name}_leaf_mean"),
+            "sd": pytensor.shared(np.zeros(leaf.size), f"{leaf.name}_leaf_sd"),
+        }
+        for leaf in leaves
+    }
+
+
+def leaf_sampler(model, leaves):
+    """``(samples, random_seed) -> {value name: draws}`` for the predictive leaves.
+
+    ``samples`` holds the draws of every value variable (PyMC's unconstrained
+    space) with a leading draws axis. The leaves are drawn jointly from their
+    prior given those values (one vectorized, uncompiled function; leaves that
+    read other leaves get their parents' new draws) and returned in their
+    unconstrained space.
+    """
+    leaf_rvs = [leaf.rv for leaf in leaves]
+    others = [rv for rv in model.free_RVs if rv not in set(leaf_rvs)]
+    values = [model.rvs_to_values[rv] for rv in others]
+    draws = replace_rvs_by_values(
+        leaf_rvs,
+        rvs_to_values=dict(zip(others, values, strict=True)),
+        rvs_to_transforms={rv: model.rvs_to_transforms.get(rv) for rv in others},
+    )
+    outputs = []
+    for rv, x in zip(leaf_rvs, draws, strict=True):
+        tr = model.rvs_to_transforms.get(rv)
+        outputs.append(x if tr is None else tr.forward(x, *x.owner.inputs))
+    batched = [pt.TensorType(v.dtype, shape=(None, *v.type.shape))(name=v.name) for v in values]
+    outputs = vectorize_graph(outputs, dict(zip(values, batched, strict=True)))
+    # no rewriting: a one-off function (some linear-algebra rewrites fail on the
+    # batched Cholesky of a vectorized gp.conditional)
+    mode = Mode(linker="py", optimizer=None)
+    fn = pm_compile(batched, outputs, mode=mode, on_unused_input="ignore")
+    rngs = [i.variable for i in fn.maker.inputs if isinstance(i.variable.type, RandomType)]
+    names = [v.name for v in values]
+    per_draw = sum(leaf.size for leaf in leaves)
+    size = int(max(1, BATCH_ELEMENTS // max(per_draw, 1)))
+
+    def draw(samples, random_seed=None):
+        if isinstance(random_seed, np.random.SeedSequence):
+            random_seed = random_seed.generate_state(4)
+        reseed_rngs(rngs, random_seed)
+        n = len(next(iter(samples.values())))
+        parts = []
+        for lo in range(0, n, size):
+            parts.append(fn(*[np.asarray(samples[nm][lo : lo + size]) for nm in names]))
+        return {
+            leaf.value.name: np.concatenate([p[i] for p in parts]).astype(leaf.value.dtype)
+            for i, leaf in enumerate(leaves)
+        }
+
+    return draw
+
+
+def leaf_moments(approx, leaves, params, draws=MOMENT_DRAWS, random_seed=0):
+    """Fill ``params`` with the leaves' marginal means and sds under ``approx``."""
+    samples = approx.sample_dict_fn(draws, random_seed=random_seed)
+    for leaf in leaves:
+        x = np.asarray(samples[leaf.value.name], dtype="float64").reshape(draws, -1)
+        params[leaf.name]["mean"].set_value(x.mean(axis=0))
+        params[leaf.name]["sd"].set_value(x.std(axis=0))

@@ -16,7 +16,10 @@ Y = {"poisson_softplus": 3, "bernoulli": 1, "studentt": 1.3, "normal": 0.4}
 
 def _model(kind, loc, scale):
     with pm.Model() as m:
-        pm.Normal("unused_global", 0, 1)  # the recognizer needs one Gaussian global
+        # the recognizer needs one Gaussian global; data of its own keep it from being
+        # a predictive leaf (a variable nothing reads)
+        g = pm.Normal("other_global", 0, 1)
+        pm.Normal("g_data", g, 1.0, observed=0.0)
         f = pm.Normal("f", loc, scale, shape=3)
         y = np.full(3, Y[kind])
         if kind == "poisson_softplus":
@@ -261,7 +264,8 @@ def test_adaptive_nodes_integrate_a_likelihood_much_narrower_than_the_local(y, l
     from scipy import special
 
     with pm.Model() as m:
-        pm.Normal("unused_global", 0, 1)
+        g = pm.Normal("other_global", 0, 1)
+        pm.Normal("g_data", g, 1.0, observed=0.0)
         f = pm.Normal("f", loc, scale, shape=2)
         pm.Poisson("y", pm.math.exp(f), observed=np.full(2, y))
     (lc,) = assign_roles(m).locals

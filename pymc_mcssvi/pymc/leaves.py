@@ -19,8 +19,6 @@ computed once after the fit from draws of the approximation
 
 from __future__ import annotations
 
-import collections
-
 import numpy as np
 import pytensor
 import pytensor.tensor as pt
@@ -31,6 +29,8 @@ from pymc.variational.opvi import Group, node_property
 from pytensor.compile.mode import Mode
 from pytensor.graph.replace import vectorize_graph
 from pytensor.tensor.random.type import RandomType
+
+from pymc_mcssvi.pymc.locals import init_marginal_layout
 
 __all__ = ["LeafGroup", "initial_leaf_params", "leaf_moments", "leaf_sampler"]
 
@@ -50,34 +50,10 @@ class LeafGroup(Group):
     has_logq = False
 
     def __init_group__(self, group):
-        # Group.__init_group__ refuses discrete variables; leaves may be discrete.
         self.group = group
-        self.input = pt.vector(self.__class__.__name__ + "_symbolic_input")
-        self.replacements = collections.OrderedDict()
-        self.ordering = collections.OrderedDict()
         self.leaves = self._kwargs["leaves"]
         self._leaf_params = self._kwargs["leaf_params"]
-        start = 0
-        for leaf in self.leaves:
-            value = self.model.rvs_to_values[leaf.rv]
-            vr = self.input[..., start : start + leaf.size].reshape(leaf.shape).astype(value.dtype)
-            self.replacements[value] = vr
-            self.ordering[value.name] = (
-                value.name,
-                slice(start, start + leaf.size),
-                leaf.shape,
-                value.dtype,
-            )
-            start += leaf.size
-        self.symbolic_initial = self._initial_type(
-            self.__class__.__name__ + "_symbolic_initial_tensor"
-        )
-        self.shared_params = {
-            f"{leaf.name}_{k}": v
-            for leaf in self.leaves
-            for k, v in self._leaf_params[leaf.name].items()
-        }
-        self._finalize_init()
+        init_marginal_layout(self, self.leaves, self._leaf_params)
 
     @node_property
     def symbolic_random(self):
@@ -117,7 +93,8 @@ def leaf_sampler(model, leaves):
     unconstrained space.
     """
     leaf_rvs = [leaf.rv for leaf in leaves]
-    others = [rv for rv in model.free_RVs if rv not in set(leaf_rvs)]
+    is_leaf = set(leaf_rvs)
+    others = [rv for rv in model.free_RVs if rv not in is_leaf]
     values = [model.rvs_to_values[rv] for rv in others]
     draws = replace_rvs_by_values(
         leaf_rvs,

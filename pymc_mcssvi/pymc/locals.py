@@ -35,7 +35,30 @@ from pymc_mcssvi.recognize.graph import as_float, remove_checks, shape64
 from pymc_mcssvi.recognize.roles import dist_params
 from pymc_mcssvi.recognize.stabilize import stable_logp
 
-__all__ = ["LocalGroup", "conditional_local_sampler", "local_posteriors"]
+__all__ = ["LocalGroup", "conditional_local_sampler", "init_marginal_layout", "local_posteriors"]
+
+
+def init_marginal_layout(group, members, params):
+    """Lay out ``group``'s flat input over ``members`` (``name``, ``rv``, ``shape``) with
+    the shared containers ``params[name]`` (a dict of them) as its parameters.
+
+    :class:`~pymc.variational.opvi.Group`'s own ``__init_group__`` refuses
+    discrete variables; locals and predictive leaves may be discrete.
+    """
+    group.input = pt.vector(type(group).__name__ + "_symbolic_input")
+    group.replacements = collections.OrderedDict()
+    group.ordering = collections.OrderedDict()
+    start = 0
+    for m in members:
+        size = int(np.prod(m.shape, dtype=int))
+        value = group.model.rvs_to_values[m.rv]
+        vr = group.input[..., start : start + size].reshape(m.shape).astype(value.dtype)
+        group.replacements[value] = vr
+        group.ordering[value.name] = (value.name, slice(start, start + size), m.shape, value.dtype)
+        start += size
+    group.symbolic_initial = group._initial_type(type(group).__name__ + "_symbolic_initial_tensor")
+    group.shared_params = {f"{m.name}_{k}": v for m in members for k, v in params[m.name].items()}
+    group._finalize_init()
 
 
 @Group.register
@@ -47,35 +70,10 @@ class LocalGroup(Group):
     has_logq = False
 
     def __init_group__(self, group):
-        # Group.__init_group__ refuses discrete variables; locals need their own layout.
         self.group = group
-        self.input = pt.vector(self.__class__.__name__ + "_symbolic_input")
-        self.replacements = collections.OrderedDict()
-        self.ordering = collections.OrderedDict()
-        start = 0
         self.locals = self._kwargs["locals"]
         self._local_params = self._kwargs["local_params"]
-        for lc in self.locals:
-            size = int(np.prod(lc.shape, dtype=int))
-            value = self.model.rvs_to_values[lc.rv]
-            vr = self.input[..., start : start + size].reshape(lc.shape).astype(value.dtype)
-            self.replacements[value] = vr
-            self.ordering[value.name] = (
-                value.name,
-                slice(start, start + size),
-                lc.shape,
-                value.dtype,
-            )
-            start += size
-        self.symbolic_initial = self._initial_type(
-            self.__class__.__name__ + "_symbolic_initial_tensor"
-        )
-        self.shared_params = {
-            f"{lc.name}_{k}": v
-            for lc in self.locals
-            for k, v in self._local_params[lc.name].items()
-        }
-        self._finalize_init()
+        init_marginal_layout(self, self.locals, self._local_params)
 
     @node_property
     def symbolic_random(self):

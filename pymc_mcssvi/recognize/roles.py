@@ -234,12 +234,11 @@ def _find_leaves(model, free, values, params, obs_logps) -> list:
         readers += model.replace_rvs_by_values(list(model.potentials))
     read = set(ancestors(readers))
     leaves = [rv for rv in free if values[rv] not in read]
-    changed = True
-    while changed:
-        changed = False
+    while True:  # drop the candidates read by a free variable outside the set
         read = set(ancestors([p for o in free if o not in leaves for p in params[o]]))
         kept = [rv for rv in leaves if values[rv] not in read]
-        changed = len(kept) < len(leaves)
+        if len(kept) == len(leaves):
+            break
         leaves = kept
     return [] if len(leaves) == len(free) else leaves
 

@@ -38,7 +38,12 @@ from pymc_mcssvi.recognize.ir import (
     PredictorTerm,
     TwoLevelModel,
 )
-from pymc_mcssvi.recognize.layout import SMALL_GLOBAL, build_segments, resolve_structure
+from pymc_mcssvi.recognize.layout import (
+    MAX_CROSSED_FULL_DIM,
+    SMALL_GLOBAL,
+    build_segments,
+    resolve_structure,
+)
 from pymc_mcssvi.recognize.likelihood import (
     bilinear_term,
     check_gather_indices,
@@ -249,7 +254,8 @@ def _recognize(model, cov, bound, inner, n_inner) -> TwoLevelModel:
     affine_terms = predictor_terms + [b.affine for b in bilinear_terms if b.affine is not None]
     affine_terms += [p.parts[2] for p in pair_terms]  # both predictors' globals, as one
     joint = _joint_blocks(affine_terms, gaussians)
-    crossed = _crossed_factors(affine_terms, gaussians, joint)
+    crossed_ids = _crossed_factors(affine_terms, gaussians, joint)
+    crossed = bool(crossed_ids)
     arrow = not (crossed or general_terms or bilinear_terms) and _arrow_suffices(
         affine_terms, gaussians
     )
@@ -257,6 +263,10 @@ def _recognize(model, cov, bound, inner, n_inner) -> TwoLevelModel:
         gaussians, cov, joint, row_blocks=bilinear_sources, crossed=crossed, arrow=arrow
     )
     segments = build_segments(gaussians, structure, joint, by_column=by_column)
+    split_crossed = _split_crossed(gaussians, segments, crossed_ids)
+    if split_crossed:
+        dim = sum(g.size for i, g in enumerate(gaussians) if i not in bilinear_sources)
+        notes.append(split_crossed_note(split_crossed, dim))
     tlm = TwoLevelModel(
         model=model,
         gaussians=gaussians,
@@ -274,6 +284,7 @@ def _recognize(model, cov, bound, inner, n_inner) -> TwoLevelModel:
         notes=notes,
         bilinear_terms=bilinear_terms,
         pair_terms=pair_terms,
+        split_crossed=split_crossed,
     )
     if general_terms:
         _check_general_dim(tlm, roles.initial_point)
@@ -619,24 +630,96 @@ def _joint_blocks(terms: list[PredictorTerm], gaussians) -> list[list[int]]:
     return groups
 
 
-def _crossed_factors(terms: list[PredictorTerm], gaussians, joint) -> bool:
-    """Whether one likelihood term gathers two large effect vectors (more than
-    :data:`~pymc_mcssvi.recognize.layout.SMALL_GLOBAL` entries) that are not read
-    at the same rows: crossed or nested grouping factors, coupled through every
-    observation that reads both."""
+#: A small grouping factor read together with a large one counts as crossed with it
+#: (:func:`_crossed_factors`) when the large factor's levels have fewer rows than this
+#: on average. Gaussian data, 300 students crossed with 60 lecturers: with 2, 4 and 8
+#: ratings per student the arrow q put sigma_s 1.1, 0.4 and 0.1 posterior sds below
+#: one full covariance's (which matched NUTS); a logistic GLMM with 1,500 groups of 6.7
+#: rows crossed with 8 levels gave the same scales with both (5.8 s with the arrow,
+#: 71 s with the full covariance).
+SPARSE_ROWS_PER_LEVEL = 5
+
+
+def _crossed_factors(terms: list[PredictorTerm], gaussians, joint) -> set[int]:
+    """Ids of the effect vectors that one likelihood term gathers at different rows:
+    crossed or nested grouping factors, coupled through every observation that reads
+    both. Empty when there are none.
+
+    Two large factors (more than :data:`~pymc_mcssvi.recognize.layout.SMALL_GLOBAL`
+    entries) always count. A small factor read with one large factor counts when the
+    large one has few rows per level (:data:`SPARSE_ROWS_PER_LEVEL`): the arrow q
+    (:mod:`~pymc_mcssvi.algorithms.arrow`) would put the small factor's effects in
+    its head and the large one's in independent blocks, and the bound with q's
+    blocks independent pulls the large factor's scale down where few rows tie its
+    effects to the data (300 students with 2 ratings each crossed with 60 lecturers,
+    Gaussian: sigma_s 0.47 +- 0.08 with the arrow, 0.545 +- 0.069 with one full
+    covariance, 0.547 +- 0.069 by NUTS)."""
+    out: set[int] = set()
     for t in terms:
         if t.kind != "likelihood":
             continue
-        factors = set()
+        factors: dict[tuple, list] = {}
         for tt in t.terms:
             g = gaussians[tt.source]
-            if tt.is_dense or not g.shape or g.size <= SMALL_GLOBAL:
+            if tt.is_dense or not g.shape or g.size < 2:
                 continue
             grp = next((tuple(j) for j in joint if tt.source in j), (tt.source,))
-            factors.add(grp)
-        if len(factors) > 1:
-            return True
-    return False
+            factors.setdefault(grp, []).append(tt)
+        large = [grp for grp in factors if any(gaussians[i].size > SMALL_GLOBAL for i in grp)]
+        if len(factors) < 2 or not large:
+            continue
+        sparse = len(large) == 1 and any(
+            _rows_per_level(tt) < SPARSE_ROWS_PER_LEVEL for tt in factors[large[0]]
+        )
+        if len(large) > 1 or sparse:
+            out.update(i for grp in factors for i in grp)
+    return out
+
+
+def _rows_per_level(term) -> float:
+    """Mean number of rows per level a gather reads (infinite when its index is not
+    fixed data)."""
+    from pytensor.graph.fg import MissingInputError
+
+    try:
+        (cols,) = evaluate_static([term.cols])
+    except MissingInputError:  # an index that depends on free variables
+        return np.inf
+    cols = np.asarray(cols).ravel()
+    return cols.size / max(np.unique(cols).size, 1)
+
+
+#: What the independent segments of crossed factors cost, measured (:func:`_split_crossed`).
+SPLIT_CROSSED_NOTE = (
+    "The Gaussian q keeps the effects of crossed (or nested) grouping factors {names} in independent "
+    "segments ({dim} Gaussian dimensions; the automatic layout keeps one full covariance "
+    "over crossed factors up to {limit}), "
+    "so the coupling the data put between them is lost from q: where few observations "
+    "per group tie the factors together, the factors' learned scales come out too small "
+    "and their effects' sds too narrow (a 5,000-row subsample of lme4 InstEval, "
+    "students x lecturers with 2.3 ratings per student: sigma_s 0.19 +- 0.06 where NUTS "
+    "gives 0.30 +- 0.04 and the exact marginal likelihood peaks at 0.31; with all 73,421 "
+    "rows, 25 ratings per student, sigma_s agrees with lme4's). Check such a fit against "
+    "pm.sample() on a subsample"
+)
+
+
+def split_crossed_note(names, dim: int) -> str:
+    """The note (and warning) for crossed factors ``names`` that q keeps apart."""
+    return SPLIT_CROSSED_NOTE.format(
+        names=", ".join(repr(n) for n in names), dim=dim, limit=MAX_CROSSED_FULL_DIM
+    )
+
+
+def _split_crossed(gaussians, segments, crossed: set[int]) -> tuple[str, ...]:
+    """Names of the crossed factors' effect vectors when q puts them in more than one
+    segment (empty when one full covariance keeps them together)."""
+    if not crossed:
+        return ()
+    seg_of = {gid: s for s, seg in enumerate(segments) for gid in seg.members}
+    if len({seg_of[i] for i in crossed}) < 2:
+        return ()
+    return tuple(gaussians[i].name for i in sorted(crossed))
 
 
 #: Priors of an effect vector under which its entries are independent given the

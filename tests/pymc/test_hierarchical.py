@@ -281,3 +281,69 @@ def test_too_many_hyperparameter_coordinates_are_announced():
             UserWarning, match=rf"{n} hyperparameter coordinates \('sigma_y' \({n}\)\)"
         ):
             pymc_mcssvi.HMCSSVI(random_seed=0)
+
+
+def _sparse_crossed(per=2, n_s=300, n_d=60):
+    """Gaussian ratings: ``per`` per student, students crossed with lecturers."""
+    rng = np.random.default_rng(5)
+    s = np.repeat(np.arange(n_s), per)
+    d = rng.integers(0, n_d, n_s * per)
+    y = 3 + 0.5 * rng.normal(size=n_s)[s] + 0.5 * rng.normal(size=n_d)[d] + rng.normal(size=s.size)
+    with pm.Model() as m:
+        mu = pm.Normal("mu", 3, 5)
+        sigma_s = pm.HalfNormal("sigma_s", 1)
+        sigma_d = pm.HalfNormal("sigma_d", 1)
+        z_s = pm.Normal("z_s", 0, 1, shape=n_s)
+        z_d = pm.Normal("z_d", 0, 1, shape=n_d)
+        eta = mu + sigma_s * z_s[s] + sigma_d * z_d[d]
+        pm.Normal("y", eta, pm.HalfNormal("sigma", 2), observed=y)
+    return m, s, d, y
+
+
+def _exact_type2_map(s, d, y):
+    """Mode of p(log sigma_s, log sigma_d, log sigma | y) with mu and all effects
+    integrated out exactly (y is Gaussian given the scales)."""
+    from scipy import linalg, optimize, stats
+
+    Zs, Zd = np.eye(s.max() + 1)[s], np.eye(d.max() + 1)[d]
+    Gs, Gd, r = Zs @ Zs.T, Zd @ Zd.T, y - 3.0
+
+    def neg(theta):
+        a, b, c = np.exp(theta)
+        L, low = linalg.cho_factor(c**2 * np.eye(y.size) + a**2 * Gs + b**2 * Gd + 25.0)
+        lp = -0.5 * r @ linalg.cho_solve((L, low), r) - np.log(np.diag(L)).sum()
+        lp += stats.halfnorm.logpdf([a, b]).sum() + stats.halfnorm(scale=2).logpdf(c)
+        return -(lp + theta.sum())
+
+    return np.exp(optimize.minimize(neg, np.log([0.5, 0.5, 1.0])).x)
+
+
+def test_sparse_crossed_factors_share_one_covariance_and_reach_the_exact_type2_map():
+    """Students with 2 ratings each, crossed with 60 lecturers (a small factor): q keeps
+    one full covariance, so point scales land on the exact type-II MAP. The arrow
+    layout (students' effects independent of the head) pulls sigma_s down, and that
+    layout, asked for, is announced."""
+    m, s, d, y = _sparse_crossed()
+    layout = {r["name"]: r["q"] for r in pymc_mcssvi.describe(m, show=False).variables}
+    assert layout["z_s"].startswith("full (361 x 361)"), layout
+    exact = _exact_type2_map(s, d, y)
+    names = ("sigma_s", "sigma_d", "sigma")
+
+    def point_scales(n=10_000, **kw):  # stops at convergence, or after n iterations
+        with m:
+            approx = pm.fit(n, method=pymc_mcssvi.HMCSSVI(hyper="point", **kw), progressbar=False)
+        post = approx.sample(2, random_seed=0).posterior
+        return np.array([float(post[v].values.ravel()[0]) for v in names])
+
+    np.testing.assert_allclose(point_scales(200, random_seed=0), exact, rtol=1e-3)
+    with pytest.warns(UserWarning, match=r"crossed \(or nested\) grouping factors 'z_s', 'z_d'"):
+        split = point_scales(200, random_seed=0, cov={"z_s": "diag"})
+    assert split[0] < 0.9 * exact[0], (split, exact)
+
+
+def test_dense_crossed_small_factor_keeps_the_arrow():
+    """With 8 ratings per student the arrow gives the full covariance's scales (0.1
+    posterior sd apart) at a fraction of its cost: the layout stays an arrow."""
+    m, *_ = _sparse_crossed(per=8)
+    layout = {r["name"]: r["q"] for r in pymc_mcssvi.describe(m, show=False).variables}
+    assert layout["z_s"].startswith("diag"), layout

@@ -347,3 +347,20 @@ def test_dense_crossed_small_factor_keeps_the_arrow():
     m, *_ = _sparse_crossed(per=8)
     layout = {r["name"]: r["q"] for r in pymc_mcssvi.describe(m, show=False).variables}
     assert layout["z_s"].startswith("diag"), layout
+
+
+def test_minibatch_rows_per_level_do_not_make_a_design_sparse():
+    """Under pm.Minibatch the gather index holds one batch (200 rows over 400 groups
+    here, against 20 rows per group in the data): the layout keeps the arrow."""
+    rng = np.random.default_rng(0)
+    n_g, n = 400, 8000
+    g, k, x = rng.integers(0, n_g, n), rng.integers(0, 8, n), rng.normal(size=n)
+    y = rng.binomial(1, 0.5, n).astype("float64")
+    gb, kb, xb, yb = pm.Minibatch(g, k, x, y, batch_size=200)
+    with pm.Model() as m:
+        b = pm.Normal("b", 0, 2.5, shape=2)
+        z_g, z_k = pm.Normal("z_g", 0, 1, shape=n_g), pm.Normal("z_k", 0, 1, shape=8)
+        eta = b[0] + b[1] * xb + pm.HalfNormal("sigma_g") * z_g[gb] + 0.5 * z_k[kb]
+        pm.Bernoulli("y", logit_p=eta, observed=yb, total_size=n)
+    layout = {r["name"]: r["q"] for r in pymc_mcssvi.describe(m, show=False).variables}
+    assert layout["z_g"] == "diag (400)", layout

@@ -123,7 +123,7 @@ from pymc_mcssvi.pymc.python_vm import (  # noqa: F401  (re-exported: older impo
     without_structure_rewrites,
 )
 from pymc_mcssvi.recognize.graph import depends_on_any, evaluate_static, static_shape
-from pymc_mcssvi.recognize.model import MIXED_BILINEAR, recognize, split_crossed_note
+from pymc_mcssvi.recognize.model import MIXED_BILINEAR, recognize
 
 __all__ = ["HMCSSVI", "MCSSVI", "SDSVI", "StructuredVI"]
 
@@ -704,11 +704,11 @@ class StructuredVI(Inference):
         """Warn when q keeps crossed grouping factors apart and hyperparameters scale
         their effects: the bound then pulls the learned scales down (recognition's note,
         :data:`~pymc_mcssvi.recognize.model.SPLIT_CROSSED_NOTE`)."""
-        if not self.tlm.split_crossed or self.tlm.bilinear_terms or self.kernel.hypers is None:
+        note = self.tlm.split_crossed_note
+        if not note or self.tlm.bilinear_terms or self.kernel.hypers is None:
             return
         if not self._effects_scaled_by_hypers():
             return
-        note = split_crossed_note(self.tlm.split_crossed, self.tlm.dim)
         warnings.warn(note + ".", UserWarning, stacklevel=4)
 
     def _effects_scaled_by_hypers(self) -> bool:

@@ -324,9 +324,9 @@ class TwoLevelModel:
     #: the general terms never couple: their Hessian comes from colored
     #: Hessian-vector products (:func:`~pymc_mcssvi.recognize.separable.separable_rows`).
     general_rows: tuple[int, ...] = ()
-    #: Names of the crossed (or nested) factors' effect vectors that q keeps in
+    #: Recognition's note when q keeps crossed (or nested) factors' effect vectors in
     #: independent segments (empty when one full covariance holds them).
-    split_crossed: tuple[str, ...] = ()
+    split_crossed_note: str = ""
 
     @property
     def affine_predictors(self) -> list[PredictorTerm]:

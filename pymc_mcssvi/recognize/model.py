@@ -264,9 +264,13 @@ def _recognize(model, cov, bound, inner, n_inner) -> TwoLevelModel:
     )
     segments = build_segments(gaussians, structure, joint, by_column=by_column)
     split_crossed = _split_crossed(gaussians, segments, crossed_ids)
+    crossed_note = ""
     if split_crossed:
         dim = sum(g.size for i, g in enumerate(gaussians) if i not in bilinear_sources)
-        notes.append(split_crossed_note(split_crossed, dim))
+        crossed_note = SPLIT_CROSSED_NOTE.format(
+            names=", ".join(repr(n) for n in split_crossed), dim=dim, limit=MAX_CROSSED_FULL_DIM
+        )
+        notes.append(crossed_note)
     tlm = TwoLevelModel(
         model=model,
         gaussians=gaussians,
@@ -284,7 +288,7 @@ def _recognize(model, cov, bound, inner, n_inner) -> TwoLevelModel:
         notes=notes,
         bilinear_terms=bilinear_terms,
         pair_terms=pair_terms,
-        split_crossed=split_crossed,
+        split_crossed_note=crossed_note,
     )
     if general_terms:
         _check_general_dim(tlm, roles.initial_point)
@@ -633,10 +637,10 @@ def _joint_blocks(terms: list[PredictorTerm], gaussians) -> list[list[int]]:
 #: A small grouping factor read together with a large one counts as crossed with it
 #: (:func:`_crossed_factors`) when the large factor's levels have fewer rows than this
 #: on average. Gaussian data, 300 students crossed with 60 lecturers: with 2, 4 and 8
-#: ratings per student the arrow q put sigma_s 1.1, 0.4 and 0.1 posterior sds below
+#: ratings per student the arrow q put sigma_s 1.05, 0.38 and 0.15 posterior sds below
 #: one full covariance's (which matched NUTS); a logistic GLMM with 1,500 groups of 6.7
-#: rows crossed with 8 levels gave the same scales with both (5.8 s with the arrow,
-#: 71 s with the full covariance).
+#: rows crossed with 8 levels gave the same scales with both (5.9 s with the arrow,
+#: 70 s with the full covariance). ``benchmarks/crossed_scales.py``.
 SPARSE_ROWS_PER_LEVEL = 5
 
 
@@ -653,9 +657,7 @@ def _crossed_factors(
     (:mod:`~pymc_mcssvi.algorithms.arrow`) would put the small factor's effects in
     its head and the large one's in independent blocks, and the bound with q's
     blocks independent pulls the large factor's scale down where few rows tie its
-    effects to the data (300 students with 2 ratings each crossed with 60 lecturers,
-    Gaussian: sigma_s 0.47 +- 0.08 with the arrow, 0.545 +- 0.069 with one full
-    covariance, 0.547 +- 0.069 by NUTS). With ``pm.Minibatch`` the index holds one
+    effects to the data. With ``pm.Minibatch`` the index holds one
     batch, whose rows per level say nothing of the data's: the rule is not applied."""
     out: set[int] = set()
     for t in terms:
@@ -708,13 +710,6 @@ SPLIT_CROSSED_NOTE = (
     "likelihood's maximum but sigma_dept, 14 departments, comes out 0.008 against its "
     "0.077). Check such a fit against pm.sample() on a subsample"
 )
-
-
-def split_crossed_note(names, dim: int) -> str:
-    """The note (and warning) for crossed factors ``names`` that q keeps apart."""
-    return SPLIT_CROSSED_NOTE.format(
-        names=", ".join(repr(n) for n in names), dim=dim, limit=MAX_CROSSED_FULL_DIM
-    )
 
 
 def _split_crossed(gaussians, segments, crossed: set[int]) -> tuple[str, ...]:

@@ -182,6 +182,46 @@ class StructuredBound:
         geoms = self.geometries + self._pair_predictor_geometries()
         return [g.moments(means, covs, g.prepare())[1] for g in geoms]
 
+    def _term_expectations(self, term, mu, var, need_hessian=True):
+        """``(T, alpha, beta)`` of a non-Gaussian predictor term (flat ``alpha``, ``beta``)."""
+        shape = term.eta_shape
+        try:
+            T, alpha, beta = expected_derivatives(
+                term.logp,
+                term.placeholder,
+                mu.reshape(shape) if shape else mu[0],
+                var.reshape(shape) if shape else var[0],
+                method=self.estimator,
+                n_points=self.n_points if term.smooth else max(self.n_points, KINKED_POINTS),
+                need_hessian=need_hessian,
+                derivatives="direct" if term.smooth else "stein",
+            )
+        except (MethodNotDefined, NullTypeGradError) as err:
+            raise UnsupportedModelError(
+                term.name,
+                "PyTensor cannot differentiate its log density twice in the predictor "
+                f"({type(err).__name__}: {err})",
+                "fit this model with pm.sample() or pm.fit(method='advi'), or write the "
+                "likelihood with functions PyTensor differentiates",
+            ) from err
+        return T, alpha.reshape((-1,)), None if beta is None else beta.reshape((-1,))
+
+    def predictor_curvatures(self, states: list[GaussianBlocks]):
+        """``E_q[d^2 log p / d f^2]`` per entry of each non-Gaussian affine predictor term.
+
+        Positive entries mark a log density that is not concave in its predictor
+        where q puts it (a Student-t residual beyond ``sqrt(nu) sigma``, a normal
+        likelihood under a log link below half the observation).
+        """
+        covs = [covariance(st, self.parameterization) for st in states]
+        means = [st.mean for st in states]
+        out = []
+        for term, geom in zip(self.tlm.predictor_terms, self.geometries, strict=True):
+            if not term.gaussian:
+                mu, var = geom.moments(means, covs, geom.prepare())
+                out.append(self._term_expectations(term, mu, pt.maximum(var, 0.0))[2])
+        return out
+
     def _pair_predictor_geometries(self):
         """The two predictors' geometries of every two-predictor term (not their sum's)."""
         return [g for pair in self.pair_geometries for g in pair[:2]]
@@ -246,30 +286,7 @@ class StructuredBound:
             if term.gaussian:
                 T, alpha, beta = expected_standard_normal(mu, var)
             else:
-                shape = term.eta_shape
-                try:
-                    T, alpha, beta = expected_derivatives(
-                        term.logp,
-                        term.placeholder,
-                        mu.reshape(shape) if shape else mu[0],
-                        var.reshape(shape) if shape else var[0],
-                        method=self.estimator,
-                        n_points=self.n_points
-                        if term.smooth
-                        else max(self.n_points, KINKED_POINTS),
-                        need_hessian=need_hessian,
-                        derivatives="direct" if term.smooth else "stein",
-                    )
-                except (MethodNotDefined, NullTypeGradError) as err:
-                    raise UnsupportedModelError(
-                        term.name,
-                        "PyTensor cannot differentiate its log density twice in the predictor "
-                        f"({type(err).__name__}: {err})",
-                        "fit this model with pm.sample() or pm.fit(method='advi'), or write the "
-                        "likelihood with functions PyTensor differentiates",
-                    ) from err
-                alpha = alpha.reshape((-1,))
-                beta = None if beta is None else beta.reshape((-1,))
+                T, alpha, beta = self._term_expectations(term, mu, var, need_hessian)
             expected = expected + pt.sum(T)
             if need_derivatives:
                 grads, hessians = geom.accumulate(

@@ -22,12 +22,14 @@ from __future__ import annotations
 import numpy as np
 import pytensor
 import pytensor.tensor as pt
+from pymc.distributions.shape_utils import change_dist_size
 from pymc.logprob.utils import replace_rvs_by_values
 from pymc.pytensorf import compile as pm_compile
 from pymc.pytensorf import reseed_rngs
 from pymc.variational.opvi import Group, node_property
 from pytensor.compile.mode import Mode
 from pytensor.graph.replace import vectorize_graph
+from pytensor.graph.traversal import ancestors
 from pytensor.tensor.random.type import RandomType
 
 from pymc_mcssvi.pymc.locals import init_marginal_layout
@@ -106,7 +108,14 @@ def leaf_sampler(model, leaves):
         tr = model.rvs_to_transforms.get(rv)
         outputs.append(x if tr is None else tr.forward(x, *x.owner.inputs))
     batched = [pt.TensorType(v.dtype, shape=(None, *v.type.shape))(name=v.name) for v in values]
-    outputs = vectorize_graph(outputs, dict(zip(values, batched, strict=True)))
+    replace = dict(zip(values, batched, strict=True))
+    # A leaf that reads neither the other variables nor another leaf (an unused
+    # prior) gets no draws axis from the vectorization: it is drawn with one.
+    inputs = set(values) | set(draws)
+    for d in draws:
+        if not inputs.intersection(ancestors(d.owner.inputs)):
+            replace[d] = change_dist_size(d, (batched[0].shape[0],), expand=True)
+    outputs = vectorize_graph(outputs, replace)
     # no rewriting: a one-off function (some linear-algebra rewrites fail on the
     # batched Cholesky of a vectorized gp.conditional)
     mode = Mode(linker="py", optimizer=None)

@@ -128,6 +128,29 @@ def test_discrete_and_transformed_leaves_and_a_leaf_of_a_leaf():
     np.testing.assert_allclose((n_new - g_new).mean(0), 0.0, atol=0.1)
 
 
+def test_unused_priors_are_drawn_with_a_draws_axis():
+    """A leaf that reads no other variable (an unused prior, scalar or vector, and a
+    leaf of it) is drawn independently at each draw, not once (it raised)."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=100)
+    with pm.Model():
+        b = pm.Normal("b", 0, 1, shape=2)
+        pm.Poisson("y", pm.math.exp(b[0] + b[1] * x), observed=rng.poisson(np.exp(0.5 + 0.3 * x)))
+        pm.HalfNormal("s0", 1.0)
+        s2 = pm.HalfNormal("s2", 2.0, shape=2)
+        pm.Normal("n_new", s2, 0.1)
+        approx = pm.fit(method="hmcssvi", random_seed=1, progressbar=False)
+    post = approx.sample(4000, random_seed=2).posterior
+    s0, s2, n_new = _flat(post, "s0"), _flat(post, "s2"), _flat(post, "n_new")
+    assert s0.shape == (4000,) and s2.shape == (4000, 2) and n_new.shape == (4000, 2)
+    for draws, scale in [(s0[:, None], 1.0), (s2, 2.0)]:
+        mean, sd = scale * np.sqrt(2 / np.pi), scale * np.sqrt(1 - 2 / np.pi)
+        np.testing.assert_array_less(np.abs(draws.mean(0) - mean), 4 * sd / np.sqrt(4000))
+        np.testing.assert_allclose(draws.std(0), sd, rtol=0.05)
+    np.testing.assert_allclose((n_new - s2).std(0), 0.1, rtol=0.06)
+    assert abs(np.corrcoef(s2[:, 0], s2[:, 1])[0, 1]) < 0.06
+
+
 def test_a_variable_read_by_a_potential_is_not_a_leaf():
     X, y, _ = _data()
     with pm.Model() as m:

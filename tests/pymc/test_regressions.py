@@ -651,3 +651,25 @@ def test_profile_above_the_fit_is_warned():
             warnings.simplefilter("always")
             pm.fit(method="hmcssvi", random_seed=1, progressbar=False)
     assert not [w for w in caught if "nats higher" in str(w.message)]
+
+
+def test_student_t_under_a_log_link_does_not_end_at_the_all_outliers_optimum():
+    """A Student-t likelihood is not log-concave in its predictor. From the default
+    start (predictor sd 1.7 through exp) the fit ended where q is wide and every
+    observation an outlier: b0 0.40 +- 0.72 (MAP 1.00), sigma 0.93 (MAP 0.48), with
+    no warning. Such likelihoods now start from a predictor sd of 1."""
+    rng = np.random.default_rng(1717)
+    g, x = rng.integers(0, 10, 400), rng.normal(size=400)
+    ge = rng.normal(0, 0.3, 10)
+    y = np.exp(1.0 + 0.4 * x + ge[g] - ge.mean()) + 0.5 * rng.standard_t(5, 400)
+    with pm.Model(coords={"lab": np.arange(10)}):
+        b0, b1 = pm.Normal("b0", 0, 2), pm.Normal("b1", 0, 1)
+        e = pm.ZeroSumNormal("e", sigma=0.3, dims="lab")
+        sigma = pm.HalfNormal("sigma", 1)
+        pm.StudentT("y", nu=5, mu=pm.math.exp(b0 + b1 * x + e[g]), sigma=sigma, observed=y)
+        approx = pm.fit(method="hmcssvi", random_seed=1, progressbar=False)
+        mode = pm.find_MAP(progressbar=False, return_inferencedata=False)
+    post = approx.sample(2000, random_seed=2).posterior
+    for name, tol in [("b0", 0.03), ("b1", 0.02), ("sigma", 0.05)]:
+        assert abs(float(post[name].mean()) - float(mode[name])) < tol, name
+    assert float(post["b0"].std()) < 0.05

@@ -817,12 +817,14 @@ class StructuredVI(Inference):
             GaussianBlocks(pt.constant(m), pt.constant(f))
             for m, f in zip(means, factors, strict=True)
         ]
-        var = self.bound.predictor_variances(states)
-        curv = self.bound.predictor_curvatures(states)
+        init = None
         if hyper_spec is not None:
             init = hyper_spec.replacements(pt.constant(hyper_spec.init))
-            both = graph_replace(list(var) + list(curv), init, strict=False)
-            var, curv = both[: len(var)], both[len(var) :]
+
+        def at_start(graphs):
+            return graphs if init is None else graph_replace(graphs, init, strict=False)
+
+        var = at_start(self.bound.predictor_variances(states))
         try:  # no rewriting: a one-off evaluation of a small graph
             values = evaluate_static(var, mode=Mode(linker="py", optimizer=None))
         except Exception as e:  # a predictor that needs more than the start values
@@ -830,7 +832,9 @@ class StructuredVI(Inference):
             return factors
         vmax = max((float(np.nanmax(v)) for v in values if np.size(v)), default=0.0)
         limit = START_PREDICTOR_SD
-        if vmax > START_NONCONCAVE_PREDICTOR_SD**2 and curv:
+        # the curvatures' derivative graphs are built only where they can matter
+        if vmax > START_NONCONCAVE_PREDICTOR_SD**2:
+            curv = at_start(self.bound.predictor_curvatures(states))
             try:
                 convex = any(
                     np.any(np.asarray(c) > 0)

@@ -680,12 +680,15 @@ class StructuredVI(Inference):
         if self.tlm.bilinear_terms and self._effects_scaled_by_hypers():
             names = ", ".join(repr(h.name) for h in self.tlm.hypers)
             warnings.warn(
-                f"In a matrix factorization the steps of the hyperparameters ({names}) are "
-                "not coupled with those of q(U) and q(V), which move in turn, and the "
-                "linear-response correction is off: learned prior scales of the factors "
-                "can come out too small and too narrow (a 40 x 30 Poisson factorization: "
-                "s_u 0.22 +- 0.02 where NUTS gives 0.89 +- 0.40). Fix the scales "
-                "(models.pmf(prior_sd=...)) or treat them as point estimates (hyper='point').",
+                f"In a matrix factorization the learned prior scales of the factors ({names}) "
+                "can come out too small and too narrow where the data are weak: q(U) and "
+                "q(V) are independent, and that bound itself is highest at small scales "
+                "(a 60 x 40 Bernoulli factorization: tau 0.17 +- 0.01 where NUTS gives "
+                "0.69 +- 0.15; with tau fixed the bound is 34 nats lower at 0.69 than at "
+                "0.17, so hyper='point' ends there too), and the scales' steps are not "
+                "coupled with q(U)'s and q(V)'s (no linear-response correction). Fix the "
+                "scales (models.pmf(prior_sd=...), or a constant in the model) from domain "
+                "knowledge or held-out data, or use NUTS where the scales themselves matter.",
                 UserWarning,
                 stacklevel=4,
             )

@@ -1284,11 +1284,15 @@ class StructuredVI(Inference):
         if self._averaged:
             self._use_average()
         self._warn_collapsed_scales()
-        if getattr(self, "_marginal", None) is not None:
-            self._fit_hyper_marginal()
+        # the re-fits after the loop are small linear algebra too (see ``_blas_limits``)
+        with self._blas_limits(blas_threads):
+            if getattr(self, "_marginal", None) is not None:
+                self._fit_hyper_marginal()
+            conditional_globals = None
+            if getattr(self, "_view", None) is not None:
+                conditional_globals = self._batched_refits()
         factories = []
-        if getattr(self, "_view", None) is not None:
-            conditional_globals = self._batched_refits()
+        if conditional_globals is not None:
             # the factory holds what it returns, not the inference object (whose compiled
             # step does not pickle): a fitted approximation pickles as PyMC's do
             factories.append(lambda: conditional_globals)

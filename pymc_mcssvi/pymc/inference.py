@@ -1174,8 +1174,9 @@ class StructuredVI(Inference):
             (no compilation) for small problems and ``"jax"`` (or ``"numba"``
             when JAX is not installed) for large ones, see :meth:`choose_backend`.
         blas_threads : int, optional
-            Threads of BLAS/LAPACK during the fit; ``None`` uses one thread for
-            small and medium problems (faster) and leaves larger ones alone.
+            Threads of BLAS/LAPACK during the fit (the iterations and the re-fits
+            after them); ``None`` uses one thread for small and medium problems
+            (faster) and leaves larger ones alone.
 
         Returns
         -------
@@ -1357,7 +1358,7 @@ class StructuredVI(Inference):
         V, s = np.asarray(am.directions), np.asarray(am.scales)
         corners = []
         try:
-            with np.errstate(all="ignore"), self._blas_limits(None):
+            with np.errstate(all="ignore"):
                 for idx in off_axis_nodes(len(s)):
                     h = mu + V @ (s * NODES[idx])
                     corners.append(prof.refit(h, *prof.start(h, centre, mu)).value - centre.value)
@@ -1501,7 +1502,7 @@ class StructuredVI(Inference):
             )
             L = hyp.lr_factor.get_value()[0]
             sd = np.sqrt(np.diag(np.linalg.inv(L @ L.T)))
-            with np.errstate(all="ignore"), self._blas_limits(None):
+            with np.errstate(all="ignore"):
                 centre = prof.refit(mu, *prof.start(mu, prof.fitted, mu))
                 H = prof.hessian(centre, HESSIAN_STEP * sd)
                 P = -0.5 * (H + H.T)

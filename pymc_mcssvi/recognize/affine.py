@@ -125,6 +125,20 @@ def _add_offsets(a, b):
     return a + b
 
 
+def _broadcast_offset(offset, shape):
+    """An offset broadcast to the full ``shape`` of its expression where it has
+    fewer axes or a length-one axis the expression does not (``0.5 + 0.3 * z``
+    keeps the constant's shape ``(1,)``; a sum or matrix product over that axis
+    must see it ``len(z)`` times, not once)."""
+    static = [s if isinstance(s, int | np.integer) else None for s in shape]
+    if offset.ndim == len(shape) and all(
+        o == s or (o is not None and s is None and o != 1)
+        for o, s in zip(offset.type.shape, static, strict=True)
+    ):
+        return offset
+    return pt.broadcast_to(offset, shape64(shape))
+
+
 def _pad_left(term: LinearTerm, ndim: int) -> LinearTerm:
     """Give a term ``ndim`` leading axes by prepending broadcastable ones."""
     missing = ndim - term.ndim
@@ -506,7 +520,8 @@ class _Linearizer:
         if form.offset is None:
             off = None
         else:
-            off = node.op(x, form.offset) if dy else node.op(form.offset, y)
+            full = _broadcast_offset(form.offset, self.shape_of(src))
+            off = node.op(x, full) if dy else node.op(full, y)
         if not batched:
             if x.ndim == 1:
                 terms = [t.map(lambda c: c[0]) for t in terms]
@@ -523,9 +538,9 @@ class _Linearizer:
         axes = list(range(inp.ndim)) if axes is None else [ax % inp.ndim for ax in axes]
         shape = self.shape_of(inp)
         terms = [_merge_into_contraction(_pad_left(t, inp.ndim), axes, shape) for t in a.terms]
-        off = None if a.offset is None else node.op(a.offset)
-        if a.offset is not None and a.offset.ndim < inp.ndim:
-            off = pt.sum(pt.broadcast_to(a.offset, shape64(shape)), axis=axes)
+        off = None
+        if a.offset is not None:
+            off = pt.sum(_broadcast_offset(a.offset, shape), axis=axes)
         return AffineForm(var.ndim, off, terms)
 
     def _subtensor(self, var, node):

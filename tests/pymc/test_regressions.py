@@ -673,3 +673,34 @@ def test_student_t_under_a_log_link_does_not_end_at_the_all_outliers_optimum():
     for name, tol in [("b0", 0.03), ("b1", 0.02), ("sigma", 0.05)]:
         assert abs(float(post[name].mean()) - float(mode[name])) < tol, name
     assert float(post["b0"].std()) < 0.05
+
+
+@pytest.mark.parametrize("form", ["sum_broadcast_offset", "mean_broadcast_offset", "dot_offset"])
+def test_offsets_with_a_length_one_axis_give_the_exact_posterior(form):
+    # c[:, None] + X * w summed over its columns used to read the offset once, not
+    # D times (a silently shifted posterior); X @ (0.5 + 0.3 * z) raised a shape error
+    rng = np.random.default_rng(2501)
+    n, d, s = 300, 3, 0.5
+    X, c = rng.normal(size=(n, d)), rng.normal(0, 0.3, n)
+    if form == "dot_offset":
+        A, off = 0.3 * X, 0.5 * X.sum(1)
+    else:
+        A, off = X, d * c
+    if form == "mean_broadcast_offset":
+        A, off = A / d, off / d
+    y = rng.normal(off + A @ np.array([0.4, -0.3, 0.2]), s)
+    with pm.Model():
+        w = pm.Normal("w", 0, 1, shape=d)
+        if form == "dot_offset":
+            mu = X @ pm.Deterministic("beta", 0.5 + 0.3 * w)
+        else:
+            reduce = pm.math.sum if form == "sum_broadcast_offset" else pm.math.mean
+            mu = reduce(c[:, None] + X * w, axis=1)
+        pm.Normal("y", mu, s, observed=y)
+        approx = pm.fit(method="hmcssvi", random_seed=1, progressbar=False)
+    prec = np.eye(d) + A.T @ A / s**2
+    mean, sd = np.linalg.solve(prec, A.T @ (y - off) / s**2), np.sqrt(np.diag(np.linalg.inv(prec)))
+    fitted = approx.mean.eval()[approx.ordering["w"][1]]
+    # the Gaussian likelihood's fit is the exact posterior; the old offset was 2-3 sd off
+    np.testing.assert_allclose(fitted, mean, atol=0.05 * sd.min())
+    np.testing.assert_allclose(approx.std.eval()[approx.ordering["w"][1]], sd, rtol=0.02)

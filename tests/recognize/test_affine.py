@@ -73,6 +73,17 @@ def _cases(X, g, x, w, b, A, a):
         "exp_not_affine": (pt.exp(X @ w), False),
         "bilinear_not_affine": ((A[g] * A[g]).sum(-1), False),
         "product_not_affine": (b * w[0], False),
+        # offsets with a length-one axis, summed or contracted over that axis
+        "sum_of_broadcast_offset": (pt.sum(x[:, None] + X * w, axis=1), True),
+        "sum_axis0_of_broadcast_offset": ((x[None, :] + (X * w).T).sum(0), True),
+        "sum_keepdims_of_broadcast_offset": (
+            pt.sum(x[:, None] + X * w, axis=1, keepdims=True)[:, 0],
+            True,
+        ),
+        "dot_with_constant_offset": (X @ (0.5 + 0.3 * w), True),
+        "dot_with_constant_offset_left": ((w * 0.3 + 0.5) @ X.T, True),
+        "dot_with_gathered_offset": (X[:, :2] @ (x[:1] + A[g[0]]), True),
+        "cumsum_of_constant_offset": (X @ pt.cumsum(w + 1.0), True),
     }
 
 
@@ -112,6 +123,13 @@ CASES = [
     "exp_not_affine",
     "bilinear_not_affine",
     "product_not_affine",
+    "sum_of_broadcast_offset",
+    "sum_axis0_of_broadcast_offset",
+    "sum_keepdims_of_broadcast_offset",
+    "dot_with_constant_offset",
+    "dot_with_constant_offset_left",
+    "dot_with_gathered_offset",
+    "cumsum_of_constant_offset",
 ]
 
 

@@ -50,6 +50,10 @@ from pytensor.tensor.subtensor import (
 
 from pymc_mcssvi.recognize.graph import shape64
 
+#: Largest sparse data matrix (entries, zeros included) read as a dense one in a
+#: predictor (``pytensor.sparse.structured_dot(X, w)``): 160 MB of float64.
+SPARSE_AS_DENSE_ENTRIES = 2e7
+
 __all__ = ["AffineForm", "LinearTerm", "linearize", "depends_on"]
 
 
@@ -326,7 +330,30 @@ class _Linearizer:
             return self._cumsum(var, node)
         if isinstance(op, Blockwise) and isinstance(op.core_op, SolveBase):
             return self._solve(var, node)
+        if type(op).__name__ in ("StructuredDot", "Dot") and type(op).__module__.startswith(
+            "pytensor.sparse"
+        ):
+            return self._sparse_dot(var, node)
         return None
+
+    def _sparse_dot(self, var, node):
+        """A product with a sparse data matrix (``pytensor.sparse.structured_dot(X, w)``,
+        ``pm.math.dot`` of a sparse ``X``): the same product with ``X`` dense, up to
+        :data:`SPARSE_AS_DENSE_ENTRIES` entries."""
+        from pytensor.sparse import dense_from_sparse
+        from pytensor.sparse.type import SparseTensorType
+
+        parts = []
+        for x in node.inputs:
+            if isinstance(x.type, SparseTensorType):
+                if self.depends(x):
+                    return None
+                data = x.data if hasattr(x, "data") else getattr(x, "get_value", lambda: None)()
+                if data is None or np.prod(data.shape, dtype=float) > SPARSE_AS_DENSE_ENTRIES:
+                    return None
+                x = dense_from_sparse(x)
+            parts.append(x)
+        return self(pt.dot(*parts))
 
     def _solve(self, var, node):
         """``solve(A, b) = A^{-1} @ b`` with ``A`` free of the globals (``pt.linalg.solve``,
@@ -435,7 +462,8 @@ class _Linearizer:
             fa, fb = self(ins[1]), self(ins[2])
             if fa is None or fb is None:
                 return None
-            c = pt.cast(ins[0], var.dtype)
+            # any nonzero condition picks the first branch (an integer count, a float)
+            c = pt.cast(pt.neq(ins[0], 0), var.dtype)
             terms = [_pad_left(t, var.ndim).scaled(c) for t in fa.terms]
             terms += [_pad_left(t, var.ndim).scaled(1.0 - c) for t in fb.terms]
             off = None

@@ -4,6 +4,9 @@ import numpy as np
 import pytensor
 import pytensor.tensor as pt
 import pytest
+import scipy.sparse as sp
+from pytensor.sparse import as_sparse_variable
+from pytensor.sparse import math as ps_math
 
 from pymc_mcssvi.recognize.affine import linearize
 
@@ -84,6 +87,16 @@ def _cases(X, g, x, w, b, A, a):
         "dot_with_constant_offset_left": ((w * 0.3 + 0.5) @ X.T, True),
         "dot_with_gathered_offset": (X[:, :2] @ (x[:1] + A[g[0]]), True),
         "cumsum_of_constant_offset": (X @ pt.cumsum(w + 1.0), True),
+        # a nonzero integer condition selects the first branch (not a weight g)
+        "switch_on_integer_condition": (pt.switch(g, b * x, A[g, 0] - 1.0), True),
+        "sparse_structured_dot": (
+            ps_math.structured_dot(as_sparse_variable(sp.csr_matrix(X)), w[:, None])[:, 0],
+            True,
+        ),
+        "sparse_dot_on_the_right": (
+            ps_math.dot(w[None, :], as_sparse_variable(sp.csr_matrix(X.T)))[0],
+            True,
+        ),
     }
 
 
@@ -130,6 +143,9 @@ CASES = [
     "dot_with_constant_offset_left",
     "dot_with_gathered_offset",
     "cumsum_of_constant_offset",
+    "switch_on_integer_condition",
+    "sparse_structured_dot",
+    "sparse_dot_on_the_right",
 ]
 
 

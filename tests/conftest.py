@@ -6,7 +6,11 @@ would cost far more than running it. NUTS references are the exception (see
 :func:`nuts_draws`).
 """
 
+import hashlib
+import os
+import re
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytensor
@@ -25,10 +29,76 @@ def rng():
 
 
 _NUTS_CACHE: dict = {}
+#: Stored NUTS references: ``<key>.npz``, the draws of one :func:`nuts_draws` call.
+REFERENCE_DIR = Path(__file__).parent / "references" / "nuts"
+#: ``write``: (re)write a stored reference whenever NUTS runs; ``off``: never read them.
+REFERENCE_ENV = "MCSSVI_NUTS_REFERENCES"
+
+
+class StoredDraws:
+    """NUTS draws read back from :data:`REFERENCE_DIR`: ``.posterior[name].values``
+    with axes ``(chain, draw, ...)`` and ``.posterior.sizes``, as the tests read an
+    ``InferenceData``."""
+
+    def __init__(self, arrays):
+        import xarray as xr
+
+        self.posterior = xr.Dataset(
+            {
+                name: (("chain", "draw", *(f"{name}_dim_{i}" for i in range(a.ndim - 2))), a)
+                for name, a in arrays.items()
+            }
+        )
+
+
+def model_fingerprint(model, *settings) -> str:
+    """A hash of what NUTS samples: the structure of the model's log density and
+    deterministics (op types and properties, in topological order), the values of
+    its constants and shared data (as float32: the last bits of data computed with
+    another BLAS do not change it), and ``settings``. Any change to the model's
+    data or code makes a stored reference stale (NUTS then runs again)."""
+    from pytensor.graph.basic import Constant
+    from pytensor.graph.traversal import io_toposort
+
+    outputs = [model.logp(), *model.replace_rvs_by_values(model.deterministics)]
+    h = hashlib.sha256(repr(settings).encode())
+    ids: dict = {}
+
+    def data_token(x):
+        a = np.asarray(x)
+        if a.dtype.kind in "fc":
+            a = a.astype(np.complex64 if a.dtype.kind == "c" else np.float32)
+        return f"{a.dtype.str}{a.shape}:{hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()}"
+
+    def token(v):
+        if v in ids:
+            return ids[v]
+        if isinstance(v, Constant):
+            return data_token(v.data)
+        if hasattr(v, "get_value"):
+            return data_token(v.get_value())
+        return f"{v.name}:{v.type}"
+
+    for node in io_toposort([], outputs):
+        props = node.op._props_dict() if hasattr(node.op, "_props_dict") else {}
+        op = re.sub(r" at 0x[0-9a-f]+", "", f"{type(node.op).__name__}{sorted(props.items())}")
+        h.update(f"{op}({','.join(token(i) for i in node.inputs)})".encode())
+        for j, out in enumerate(node.outputs):
+            ids[out] = f"n{len(ids)}.{j}"
+    h.update(repr([v.name for v in model.deterministics]).encode())
+    return h.hexdigest()
 
 
 def nuts_draws(model, key, draws=2500, tune=1000, seed=1):
-    """Posterior draws by NUTS (``NUTS_CHAINS`` chains of ``draws``), cached per session.
+    """Posterior draws by NUTS (``NUTS_CHAINS`` chains of ``draws``), cached per session
+    and stored in ``tests/references/nuts/<key>.npz``.
+
+    The stored draws are used only while the model and the sampler's settings are the
+    ones they were drawn for (:func:`model_fingerprint`); otherwise NUTS runs.
+    ``MCSSVI_NUTS_REFERENCES=write`` writes the draws of every NUTS run there (how the
+    files are made: run the tests with it after changing a model), ``=off`` ignores
+    them. The files hold a thinned copy of the draws, 16-bit coded
+    (:func:`store_reference`).
 
     PyMC's sampler on the numba backend, not the suite's ``FAST_COMPILE``: on a
     42-dimensional logistic GLMM 2 x 1000 draws took 188 s under ``FAST_COMPILE``
@@ -41,6 +111,16 @@ def nuts_draws(model, key, draws=2500, tune=1000, seed=1):
     """
     import pymc as pm
 
+    if key in _NUTS_CACHE:
+        return _NUTS_CACHE[key]
+    mode = os.environ.get(REFERENCE_ENV, "read")
+    fingerprint = model_fingerprint(model, key, draws, tune, seed, NUTS_CHAINS)
+    path = REFERENCE_DIR / f"{key}.npz"
+    if mode == "read" and path.exists():
+        with np.load(path) as stored:
+            if str(stored["__fingerprint__"]) == fingerprint:
+                _NUTS_CACHE[key] = StoredDraws(decoded(stored))
+                return _NUTS_CACHE[key]
     if key not in _NUTS_CACHE:
         with model:
             idata = pm.sample(
@@ -54,4 +134,66 @@ def nuts_draws(model, key, draws=2500, tune=1000, seed=1):
                 compile_kwargs={"mode": "NUMBA"},
             )
         _NUTS_CACHE[key] = idata
+        if mode == "write":
+            store_reference(path, fingerprint, idata.posterior, model)
     return _NUTS_CACHE[key]
+
+
+#: Largest deterministic stored (values per draw): PyMC's automatic ones (an
+#: ordered likelihood's ``y_probs``, one row per observation) are not read.
+STORED_DETERMINISTIC_SIZE = 256
+#: Target size of one stored reference: every second draw of each chain is kept,
+#: every fourth where that is still larger (a random walk's 120-step path). 2500
+#: of 10,000 NUTS draws put a posterior sd within about 2% of the full set's.
+STORED_BYTES = 0.75e6
+#: Levels of the stored 16-bit codes: a value's rounding error is at most its
+#: element's range over twice this (about 1e-4 of a posterior sd).
+LEVELS = 65000
+
+
+def thinned(arrays: dict, step=None) -> dict:
+    """Every second draw of ``(chain, draw, ...)`` arrays, or every fourth where that
+    is larger than :data:`STORED_BYTES`, floats as 16-bit codes of their element's
+    range (``<name>``, ``__lo__<name>``, ``__step__<name>``; :func:`decoded`)."""
+    if step is None:
+        size = sum(np.prod(a.shape, dtype=float) * 2 for a in arrays.values())
+        step = 2 if size / 2 <= STORED_BYTES else 4
+    out = {}
+    for k, a in arrays.items():
+        a = a[:, ::step]
+        if a.dtype.kind != "f":
+            out[k] = a
+            continue
+        lo, hi = a.min(axis=(0, 1)), a.max(axis=(0, 1))
+        width = np.where(hi > lo, (hi - lo) / LEVELS, 1.0)
+        out[k] = np.rint((a - lo) / width - LEVELS / 2).astype(np.int16)
+        out[f"__lo__{k}"], out[f"__step__{k}"] = lo, width
+    return out
+
+
+def decoded(stored) -> dict:
+    """The arrays of a stored reference (:func:`thinned`), floats decoded."""
+    out = {}
+    for k in stored.files:
+        if k.startswith("__"):
+            continue
+        a = stored[k]
+        if f"__lo__{k}" in stored.files:
+            a = stored[f"__lo__{k}"] + (a + LEVELS / 2) * stored[f"__step__{k}"]
+        out[k] = a
+    return out
+
+
+def store_reference(path, fingerprint, posterior, model):
+    """Write NUTS draws for :func:`nuts_draws`: the free variables and the
+    deterministics up to :data:`STORED_DETERMINISTIC_SIZE` values per draw,
+    :func:`thinned`."""
+    REFERENCE_DIR.mkdir(parents=True, exist_ok=True)
+    free = {rv.name for rv in model.free_RVs}
+    arrays = {}
+    for name in posterior.data_vars:
+        a = np.asarray(posterior[name].values)
+        if name not in free and np.prod(a.shape[2:], dtype=int) > STORED_DETERMINISTIC_SIZE:
+            continue
+        arrays[str(name)] = a
+    np.savez_compressed(path, __fingerprint__=np.array(fingerprint), **thinned(arrays))

@@ -189,6 +189,18 @@ def _merge_into_contraction(term: LinearTerm, axes: list[int], shape) -> LinearT
     return term.map(move)
 
 
+def _last_len(cols, vals=None):
+    """Length of the contraction axis of ``cols`` broadcast with ``vals``: a Python
+    int when the static shapes give it (no shape graph to infer per piece)."""
+    k = cols.type.shape[-1]
+    kv = 1 if vals is None else vals.type.shape[-1]
+    if k is not None and kv is not None:
+        return max(int(k), int(kv))
+    if vals is None or kv == 1:
+        return cols.shape[-1]
+    return pt.maximum(cols.shape[-1], vals.shape[-1])
+
+
 def _unique_positions(indices) -> bool:
     """Whether an index tuple addresses each position at most once: basic indices
     always do; integer arrays only when constant and without repeated positions."""
@@ -714,7 +726,10 @@ class _Linearizer:
         return self._stack_forms(var, parts, forms, 0, concat=False)
 
     def _stack_forms(self, var, parts, forms, axis, concat):
-        """Join of affine pieces: each term is zero-padded outside its own slab."""
+        """Join of affine pieces: one term per source, each piece's terms of it side by
+        side in the contraction axis, zero-padded to a common width and to zero
+        columns where a piece does not read the source (a stack of ``N`` per-row
+        pieces costs ``O(N)`` graph nodes, not one zero block per pair of pieces)."""
         offsets = []
         pshapes = [self.shape_of(p) for p in parts]
         for pshape, f in zip(pshapes, forms, strict=True):
@@ -724,26 +739,44 @@ class _Linearizer:
                 else pt.broadcast_to(f.offset, shape64(pshape)).astype(var.dtype)
             )
         off = pt.join(axis, *offsets) if concat else pt.stack(offsets)
-        terms = []
+        qshapes = [list(ps) if concat else [1, *ps] for ps in pshapes]
+        pieces: dict[int, dict[int, list]] = {}  # source -> part -> [(cols, vals)]
         for i, (p, f) in enumerate(zip(parts, forms, strict=True)):
             for t in f.terms:
                 t = _full_leading(_pad_left(t, p.ndim), pshapes[i])
                 if not concat:
                     t = t.map(lambda c: c[None])
-                vals = pt.ones_like(t.cols, dtype=var.dtype) if t.vals is None else t.vals
-                cols_parts, vals_parts = [], []
-                for j in range(len(parts)):
-                    if j == i:
-                        cols_parts.append(t.cols)
-                        vals_parts.append(vals)
-                    else:
-                        qshape = list(pshapes[j]) if concat else [1, *pshapes[j]]
-                        zshape = (*qshape, t.cols.shape[-1])
-                        cols_parts.append(pt.zeros(zshape, dtype=t.cols.dtype))
-                        vals_parts.append(pt.zeros(zshape, dtype=vals.dtype))
-                terms.append(
-                    LinearTerm(t.source, pt.join(axis, *cols_parts), pt.join(axis, *vals_parts))
+                vals = pt.ones((), dtype=var.dtype) if t.vals is None else t.vals
+                k = _last_len(t.cols, None if t.vals is None else vals)
+                full = shape64((*qshapes[i], k))
+                pieces.setdefault(t.source, {}).setdefault(i, []).append(
+                    (pt.broadcast_to(t.cols, full), pt.broadcast_to(vals, full).astype(var.dtype))
                 )
+        terms = []
+        for source, by_part in pieces.items():
+            cols_parts, vals_parts = [], []
+            for i in range(len(parts)):
+                got = by_part.get(i)
+                if got is None:
+                    cols_parts.append(pt.zeros((*qshapes[i], 1), dtype="int64"))
+                    vals_parts.append(pt.zeros((*qshapes[i], 1), dtype=var.dtype))
+                else:
+                    cols_parts.append(pt.concatenate([c for c, _ in got], axis=-1))
+                    vals_parts.append(pt.concatenate([v for _, v in got], axis=-1))
+            lens = [_last_len(c) for c in cols_parts]
+            if all(isinstance(n, int) for n in lens):
+                width = max(lens)
+            else:
+                width = pt.max(pt.stack([pt.as_tensor(n, dtype="int64") for n in lens]))
+            for i in range(len(parts)):
+                pad = (*qshapes[i], width - lens[i])
+                cols_parts[i] = pt.concatenate(
+                    [cols_parts[i].astype("int64"), pt.zeros(pad, dtype="int64")], axis=-1
+                )
+                vals_parts[i] = pt.concatenate(
+                    [vals_parts[i], pt.zeros(pad, dtype=var.dtype)], axis=-1
+                )
+            terms.append(LinearTerm(source, pt.join(axis, *cols_parts), pt.join(axis, *vals_parts)))
         return AffineForm(var.ndim, off, terms)
 
     def _inline(self, var, node):

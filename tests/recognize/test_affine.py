@@ -93,6 +93,14 @@ def _cases(X, g, x, w, b, A, a):
             ps_math.structured_dot(as_sparse_variable(sp.csr_matrix(X)), w[:, None])[:, 0],
             True,
         ),
+        "stack_of_row_pieces": (
+            pt.stack([X[i] @ w + b - w[0] * x[i] for i in range(N)] + [b * 2.0, a[1] + 1.0]),
+            True,
+        ),
+        "concatenate_mixed_sources": (
+            pt.concatenate([X[:2] @ w, a[g[:3]] + b, pt.zeros(2), A[g[:2], 1] * x[:2]]),
+            True,
+        ),
         "sparse_dot_on_the_right": (
             ps_math.dot(w[None, :], as_sparse_variable(sp.csr_matrix(X.T)))[0],
             True,
@@ -146,6 +154,8 @@ CASES = [
     "switch_on_integer_condition",
     "sparse_structured_dot",
     "sparse_dot_on_the_right",
+    "stack_of_row_pieces",
+    "concatenate_mixed_sources",
 ]
 
 

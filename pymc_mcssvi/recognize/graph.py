@@ -189,6 +189,10 @@ def is_separable(logp: Variable, placeholder: Variable) -> bool:
         if isinstance(op, Sum):
             summed = True
             continue
+        if isinstance(op, DimShuffle):
+            kept = [o for o in op.new_order if o != "x"]
+            if kept != sorted(kept):
+                return False  # a transpose: entry i reads another entry (checked numerically)
         if isinstance(op, _SEPARABLE_OPS):
             if summed and isinstance(op, Elemwise) and not _is_linear_elemwise(node, dep):
                 return False

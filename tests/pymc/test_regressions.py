@@ -704,3 +704,22 @@ def test_offsets_with_a_length_one_axis_give_the_exact_posterior(form):
     # the Gaussian likelihood's fit is the exact posterior; the old offset was 2-3 sd off
     np.testing.assert_allclose(fitted, mean, atol=0.05 * sd.min())
     np.testing.assert_allclose(approx.std.eval()[approx.ordering["w"][1]], sd, rtol=0.02)
+
+
+def test_a_per_observation_normal_read_transposed_gives_the_exact_posterior():
+    # F (K, N) read as F.T by a (N, K) likelihood passed the structural entrywise check
+    # and was marginalized with its entries misaligned (a raw shape error); a
+    # transpose now leaves it to the numerical check (it is then a Gaussian global)
+    rng = np.random.default_rng(0)
+    n, k, s_f, s_y = 60, 3, 0.3, 0.5
+    Y = np.array([1.0, -1.0, 0.5]) + rng.normal(0, 0.7, (n, k))
+    with pm.Model():
+        a = pm.Normal("a", 0.0, 1.0, shape=k)
+        F = pm.Normal("F", a[:, None], s_f, shape=(k, n))
+        pm.Normal("Y", F.T, s_y, observed=Y)
+        approx = pm.fit(method="hmcssvi", random_seed=1, progressbar=False)
+    var = s_f**2 + s_y**2  # y_nk | a ~ N(a_k, s_f^2 + s_y^2)
+    prec = 1 + n / var
+    sl = approx.ordering["a"][1]
+    np.testing.assert_allclose(approx.mean.eval()[sl], Y.sum(0) / var / prec, atol=1e-3)
+    np.testing.assert_allclose(approx.std.eval()[sl], prec**-0.5, rtol=1e-3)

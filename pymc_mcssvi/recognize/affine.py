@@ -129,20 +129,6 @@ def _add_offsets(a, b):
     return a + b
 
 
-def _broadcast_offset(offset, shape):
-    """An offset broadcast to the full ``shape`` of its expression where it has
-    fewer axes or a length-one axis the expression does not (``0.5 + 0.3 * z``
-    keeps the constant's shape ``(1,)``; a sum or matrix product over that axis
-    must see it ``len(z)`` times, not once)."""
-    static = [s if isinstance(s, int | np.integer) else None for s in shape]
-    if offset.ndim == len(shape) and all(
-        o == s or (o is not None and s is None and o != 1)
-        for o, s in zip(offset.type.shape, static, strict=True)
-    ):
-        return offset
-    return pt.broadcast_to(offset, shape64(shape))
-
-
 def _pad_left(term: LinearTerm, ndim: int) -> LinearTerm:
     """Give a term ``ndim`` leading axes by prepending broadcastable ones."""
     missing = ndim - term.ndim
@@ -560,7 +546,9 @@ class _Linearizer:
         if form.offset is None:
             off = None
         else:
-            full = _broadcast_offset(form.offset, self.shape_of(src))
+            # at its full shape: a constant added to the coefficients keeps shape (1,)
+            # (``X @ (0.5 + 0.3 * z)`` reads it len(z) times)
+            full = pt.broadcast_to(form.offset, shape64(self.shape_of(src)))
             off = node.op(x, full) if dy else node.op(full, y)
         if not batched:
             if x.ndim == 1:
@@ -580,7 +568,8 @@ class _Linearizer:
         terms = [_merge_into_contraction(_pad_left(t, inp.ndim), axes, shape) for t in a.terms]
         off = None
         if a.offset is not None:
-            off = pt.sum(_broadcast_offset(a.offset, shape), axis=axes)
+            # at its full shape: ``c[:, None] + X * w`` summed over axis 1 adds c D times
+            off = pt.sum(pt.broadcast_to(a.offset, shape64(shape)), axis=axes)
         return AffineForm(var.ndim, off, terms)
 
     def _subtensor(self, var, node):

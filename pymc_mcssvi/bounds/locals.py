@@ -39,7 +39,7 @@ from pytensor.graph.traversal import graph_inputs, io_toposort
 from pytensor.scalar import basic as ps
 from pytensor.tensor.elemwise import DimShuffle, Elemwise
 from pytensor.tensor.random.basic import NormalRV
-from pytensor.tensor.shape import SpecifyShape
+from pytensor.tensor.shape import Reshape, SpecifyShape
 
 from pymc_mcssvi.estimators.quadrature import gauss_hermite
 from pymc_mcssvi.exceptions import UnsupportedModelError
@@ -52,7 +52,14 @@ from pymc_mcssvi.recognize.graph import (
 )
 from pymc_mcssvi.recognize.roles import base_op, dist_params
 
-__all__ = ["MAX_NEWTON_STEP", "NEWTON_STEPS", "isolate_addend", "laplace_nodes", "marginal_logp"]
+__all__ = [
+    "MAX_NEWTON_STEP",
+    "NEWTON_STEPS",
+    "in_local_layout",
+    "isolate_addend",
+    "laplace_nodes",
+    "marginal_logp",
+]
 
 
 def marginal_logp(
@@ -83,8 +90,10 @@ def marginal_logp(
     Returns
     -------
     TensorVariable
-        Shape of the observed variable; a graph in the value variables of the
-        globals and hyperparameters (not of the local).
+        Entry ``i`` is the marginal of observation ``i``, in the local's layout
+        (the observed's unless the likelihood reads the local through a reshape,
+        :func:`in_local_layout`); a graph in the value variables of the globals
+        and hyperparameters (not of the local).
     """
     if bound not in ("optimal", "jensen"):
         raise ValueError(f"bound must be 'optimal' or 'jensen', got {bound!r}")
@@ -94,11 +103,12 @@ def marginal_logp(
     params = model.replace_rvs_by_values(dist_params(local.rv))
     value = local.value
     shape = local.shape
+    logp_y = in_local_layout(logp_y, shape)
     if local.kind == "discrete":
         return minibatch_scale * _enumerate(model, local, logp_y, bound)
 
     loc, scale = (pt.broadcast_to(as_float(p), shape64(shape)) for p in params)
-    closed = _gaussian_closed_form(obs, value, logp_y, loc, scale, bound, model, fixed)
+    closed = _gaussian_closed_form(obs, value, shape, loc, scale, bound, model, fixed)
     if closed is not None:
         return minibatch_scale * closed
     centred = centre_local(logp_y, value, loc, scale, fixed)
@@ -120,6 +130,32 @@ def marginal_logp(
         return minibatch_scale * pt.logsumexp(logv + per_node, axis=0)
     weights = pt.exp(logv) if inner == "quadrature" else 1.0 / n_inner
     return minibatch_scale * pt.sum(weights * per_node, axis=0)
+
+
+def in_local_layout(logp_y, shape):
+    """``logp_y`` (the observed's elementwise log density) in the layout of its local.
+
+    A local is recognized when entry ``i`` of the observed's log density reads
+    entry ``i`` of the local in flat (C) order, with equal sizes; the likelihood
+    may read it through an added axis or a reshape (``f[:, None]`` for a column
+    of observations, ``f.reshape((N, K))``). The quadrature nodes and the
+    enumerated values live in the local's layout, so its marginal is computed
+    (and kept) there. ``logp_y`` itself when the layouts agree.
+
+    Examples
+    --------
+    >>> import pytensor.tensor as pt
+    >>> f = pt.vector("f", shape=(3,))
+    >>> in_local_layout(-pt.square(f[:, None]), (3,)).type.shape
+    (3,)
+    """
+    shape = tuple(shape)
+    static = logp_y.type.shape
+    if len(static) == len(shape) and all(
+        s is None or s == d for s, d in zip(static, shape, strict=True)
+    ):
+        return logp_y
+    return logp_y.reshape(shape64(shape))
 
 
 #: Newton steps towards the mode of each local's integrand (:func:`laplace_nodes`).
@@ -243,7 +279,7 @@ def _unscaled_logp(model, obs):
     return remove_checks(logp_y), get_scaling(total_size, y.shape)
 
 
-def _gaussian_closed_form(obs, value, logp_y, loc, scale, bound, model, fixed=()):
+def _gaussian_closed_form(obs, value, shape, loc, scale, bound, model, fixed=()):
     """``y ~ N(f, sigma)``: the marginal is ``N(y; a, sqrt(sigma^2 + s^2))`` exactly
     (also for ``y ~ N(c + b f, sigma)``, through :func:`affine_in`)."""
     op, base = base_op(obs)
@@ -253,17 +289,20 @@ def _gaussian_closed_form(obs, value, logp_y, loc, scale, bound, model, fixed=()
     while (
         mu is not value
         and mu.owner is not None
-        and isinstance(mu.owner.op, DimShuffle | SpecifyShape | ViewOp)
+        and isinstance(mu.owner.op, DimShuffle | Reshape | SpecifyShape | ViewOp)
     ):
         mu = mu.owner.inputs[0]  # a pm.Deterministic is a ViewOp
+    if mu.ndim != loc.ndim:
+        return None  # a layout change inside the affine map
     if mu is not value:
         found = affine_in(mu, value, fixed)
         if found is None or depends_on_any(sigma, [value]):
             return None
         a, b = found
         loc, scale = a + b * loc, pt.abs(b) * scale
+    # y and sigma in the local's layout (entry i of y reads entry i of f in flat order)
     y = model.rvs_to_values[obs]
-    sigma = pt.broadcast_to(as_float(sigma), loc.shape)
+    y, sigma = (in_local_layout(pt.broadcast_to(as_float(x), y.shape), shape) for x in (y, sigma))
     if bound == "optimal":
         var = pt.square(sigma) + pt.square(scale)
         return -0.5 * np.log(2 * np.pi) - 0.5 * pt.log(var) - 0.5 * pt.square(y - loc) / var

@@ -30,7 +30,7 @@ import pytensor.tensor as pt
 from pymc.variational.opvi import Group, node_property
 from pytensor.graph.replace import vectorize_graph
 
-from pymc_mcssvi.bounds.locals import laplace_nodes
+from pymc_mcssvi.bounds.locals import in_local_layout, laplace_nodes
 from pymc_mcssvi.recognize.graph import as_float, remove_checks, shape64
 from pymc_mcssvi.recognize.roles import dist_params
 from pymc_mcssvi.recognize.stabilize import stable_logp
@@ -206,10 +206,12 @@ def _batch_draws(per_draw: int) -> int:
 
 
 def _observed_logp(model, lc):
-    """Elementwise log likelihood of the observed variable local ``lc`` belongs to."""
+    """Elementwise log likelihood of the observed variable local ``lc`` belongs to, in
+    the local's layout (:func:`~pymc_mcssvi.bounds.locals.in_local_layout`)."""
     obs = model[lc.observed]
     # Stable, ufunc-only form: PyTensor's scalar softplus runs a Python call per element.
-    return stable_logp(remove_checks(model.logp(vars=[obs], sum=False)[0]))
+    logp_y = stable_logp(remove_checks(model.logp(vars=[obs], sum=False)[0]))
+    return in_local_layout(logp_y, lc.shape)
 
 
 def _draw_average(values, outputs, samples, names, draws, per_draw):

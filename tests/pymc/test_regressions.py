@@ -723,3 +723,66 @@ def test_a_per_observation_normal_read_transposed_gives_the_exact_posterior():
     sl = approx.ordering["a"][1]
     np.testing.assert_allclose(approx.mean.eval()[sl], Y.sum(0) / var / prec, atol=1e-3)
     np.testing.assert_allclose(approx.std.eval()[sl], prec**-0.5, rtol=1e-3)
+
+
+@pytest.mark.parametrize("layout", ["column", "reshape"])
+def test_a_per_observation_normal_read_in_another_layout_gives_the_exact_posterior(layout):
+    # a local read as f[:, None] or f.reshape((N, K)) (same entries in flat order)
+    # raised a raw shape error: its quadrature nodes were in the local's layout and
+    # the likelihood in the observed's; the marginal is now computed in the local's
+    rng = np.random.default_rng(0)
+    n, k, s_f, s_y = 40, 3, 0.3, 0.5
+    Y = np.array([1.0, -1.0, 0.5]) + rng.normal(0, 0.7, (n, k))
+    with pm.Model():
+        a = pm.Normal("a", 0.0, 1.0, shape=k)
+        if layout == "column":
+            f = pm.Normal("f", pt.tile(a, n), s_f, shape=n * k)
+            pm.Normal("Y", f[:, None], s_y, observed=Y.reshape(-1, 1))
+        else:
+            f = pm.Normal("f", pt.tile(a, n), s_f, shape=n * k)
+            pm.Normal("Y", f.reshape((n, k)), s_y, observed=Y)
+        approx = pm.fit(method="hmcssvi", random_seed=1, progressbar=False)
+    assert "f" in approx.sample(10).posterior.attrs["marginal_locals"]
+    var = s_f**2 + s_y**2  # y_nk | a ~ N(a_k, s_f^2 + s_y^2)
+    prec = 1 + n / var
+    sl = approx.ordering["a"][1]
+    np.testing.assert_allclose(approx.mean.eval()[sl], Y.sum(0) / var / prec, atol=1e-3)
+    np.testing.assert_allclose(approx.std.eval()[sl], prec**-0.5, rtol=1e-3)
+    # f | y: the conditional N(w a + (1 - w) y, v) averaged over a's exact posterior
+    w = s_y**2 / var
+    f_mean = w * (Y.sum(0) / var / prec) + (1 - w) * Y
+    f_sd = np.sqrt(s_f**2 * s_y**2 / var + w**2 / prec)
+    draws = approx.sample(4000, random_seed=2).posterior["f"].values.reshape(-1, n, k)
+    np.testing.assert_allclose(draws.mean(0), f_mean, atol=4 * f_sd.max() / np.sqrt(4000) + 1e-3)
+    np.testing.assert_allclose(draws.std(0), np.broadcast_to(f_sd, (n, k)), rtol=0.1)
+
+
+@pytest.mark.parametrize("kind", ["poisson", "discrete"])
+def test_a_local_read_as_a_column_fits_as_when_read_directly(kind):
+    # quadrature (Poisson) and enumeration (Bernoulli local) in the local's layout:
+    # the same fit and the same local draws as the model without the added axis
+    rng = np.random.default_rng(0)
+    n = 80
+    x = rng.normal(size=n)
+    counts = rng.poisson(np.exp(0.5 + 0.4 * x))
+
+    def fit(column):
+        def col(v):
+            return v[:, None] if column else v
+
+        with pm.Model():
+            b = pm.Normal("b", 0, 1, shape=2)
+            if kind == "poisson":
+                f = pm.Normal("f", b[0] + b[1] * x, 0.3, shape=n)
+                pm.Poisson("y", pt.exp(col(f)), observed=col(counts))
+            else:
+                z = pm.Bernoulli("z", 0.3, shape=n)
+                pm.Normal("y", col(b[0] + b[1] * z), 1.0, observed=col(x))
+            approx = pm.fit(method="hmcssvi", random_seed=1, progressbar=False)
+        local = "f" if kind == "poisson" else "z"
+        draws = approx.sample(500, random_seed=3).posterior[local].values.reshape(-1, n)
+        return approx.mean.eval(), draws.mean(0)
+
+    (mean, local), (mean_col, local_col) = fit(False), fit(True)
+    np.testing.assert_allclose(mean_col, mean, rtol=1e-8, atol=1e-10)
+    np.testing.assert_allclose(local_col, local, rtol=1e-8, atol=1e-10)

@@ -247,7 +247,7 @@ def describe(model: pm.Model | None = None, cov=None, *, show: bool = False) -> 
                 name=obs.name,
                 distribution=_dist_name(obs),
                 predictor=tlm.observed.get(obs.name, "?"),
-                size="?" if size is None else "x".join(str(s) for s in size),
+                size="?" if size is None else "x".join(str(s) for s in size) or "1",
                 scaling=tlm.scaling.get(obs.name, "1"),
             )
         )

@@ -5,6 +5,7 @@ import pymc as pm
 import pytest
 from pymc.variational.callbacks import CheckParametersConvergence
 
+import pymc_mcssvi
 from pymc_mcssvi import HMCSSVI, MCSSVI, SDSVI, StructuredApproximation
 
 
@@ -321,3 +322,12 @@ def test_model_with_data_frozen_into_constants_fits_as_the_original():
             approx = pm.fit(method="hmcssvi", random_seed=1, progressbar=False)
         means.append(approx.sample(50, random_seed=2).posterior["b"].values)
     np.testing.assert_allclose(means[1], means[0], rtol=1e-8, atol=1e-10)
+
+
+def test_describe_gives_the_size_of_every_observed_variable():
+    with pm.Model() as model:
+        b = pm.Normal("b", 0, 1, shape=2)
+        pm.Normal("y", b[0] + b[1], 1.0, observed=0.3)  # a scalar observation
+        pm.Normal("Y", b[0] + b[1] * np.ones((5, 2)), 1.0, observed=np.ones((5, 2)))
+    sizes = {r["name"]: r["size"] for r in pymc_mcssvi.describe(model).observed}
+    assert sizes == {"y": "1", "Y": "5x2"}

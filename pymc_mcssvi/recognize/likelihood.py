@@ -402,11 +402,17 @@ def validate_index(name: str, idx, length, indexed: list[str]) -> None:
     bad = (values < 0) | (values >= n)
     if bad.any():
         label = idx.name or "a grouping index"
+        fix = "encode groups as 0, 1, ..., n_groups - 1 (e.g. pd.factorize) and size the latent to match"
+        if not (values >= n).any():  # pd.factorize codes a missing group as -1
+            fix += (
+                "; negative codes are refused because they usually mark missing groups; "
+                f"to count from the end on purpose, write the index modulo {n} (idx % {n})"
+            )
         raise UnsupportedModelError(
             name,
             f"{label} has values outside [0, {n}) (found {values[bad].min()} .. {values[bad].max()}); "
             f"it indexes {what}, which has {n} groups",
-            "encode groups as 0, 1, ..., n_groups - 1 (e.g. pd.factorize) and size the latent to match",
+            fix,
         )
 
 

@@ -184,18 +184,18 @@ def _glmm_with_index(index, G=5, cast=False):
 
 
 @pytest.mark.parametrize(
-    ("index", "cast", "fragment"),
+    ("index", "cast", "fragment", "fix"),
     [
-        (np.r_[np.arange(5), -1], False, "outside [0, 5) (found -1 .. -1)"),
-        (np.r_[np.arange(5), 5], False, "outside [0, 5) (found 5 .. 5)"),
-        (np.r_[np.arange(5), 1.5], True, "not whole numbers (e.g. 1.5)"),
+        (np.r_[np.arange(5), -1], False, "outside [0, 5) (found -1 .. -1)", "modulo 5"),
+        (np.r_[np.arange(5), 5], False, "outside [0, 5) (found 5 .. 5)", "pd.factorize"),
+        (np.r_[np.arange(5), 1.5], True, "not whole numbers (e.g. 1.5)", "pd.factorize"),
     ],
     ids=["negative", "too-large", "non-integer"],
 )
-def test_bad_grouping_index_is_a_named_error(index, cast, fragment):
+def test_bad_grouping_index_is_a_named_error(index, cast, fragment, fix):
     with pytest.raises(pymc_mcssvi.UnsupportedModelError, match=r"Variable 'y'.*") as err:
         pymc_mcssvi.describe(_glmm_with_index(index, cast=cast))
-    assert fragment in str(err.value) and "'z'" in str(err.value)
+    assert fragment in str(err.value) and "'z'" in str(err.value) and fix in str(err.value)
 
 
 def test_scale_at_the_edge_of_its_support_stays_finite():

@@ -67,6 +67,7 @@ from pymc_mcssvi.algorithms.marginal import (
     noise_moment_factors,
     off_axis_nodes,
     refit_graph,
+    within_axis_range,
 )
 from pymc_mcssvi.algorithms.mcssvi import MCSSVIStep
 from pymc_mcssvi.algorithms.optimizers import make_optimizer
@@ -1590,7 +1591,11 @@ class StructuredVI(Inference):
         )
         view.mean_table.set_value(mean_table)
         view.log_scale_axes.set_value(ls_axes)
-        view.log_scale_grid.set_value(ls_grid)
+        # the draws' log scales off the axes stay within the axes' range (the moments below
+        # take the exact ones at the grid's points)
+        view.log_scale_grid.set_value(
+            within_axis_range(ls_grid, n) if len(ls_grid) > 1 else ls_grid
+        )
         view.scale_masks.set_value(masks)
         fitted = flat(means)
         if joint is None:

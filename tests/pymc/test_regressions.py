@@ -786,3 +786,27 @@ def test_a_local_read_as_a_column_fits_as_when_read_directly(kind):
     (mean, local), (mean_col, local_col) = fit(False), fit(True)
     np.testing.assert_allclose(mean_col, mean, rtol=1e-8, atol=1e-10)
     np.testing.assert_allclose(local_col, local, rtol=1e-8, atol=1e-10)
+
+
+def test_sample_node_of_an_hsgp_with_learned_scales_follows_sample():
+    # the symbolic draws' log scales of the basis coefficients (spectral density) off
+    # q(h)'s axes ran to -11 (long lengthscale, small amplitude): coefficients of 1e4
+    # under an N(0, 1) prior, z 22 against approx.sample; they stay within the axes' range
+    rng = np.random.default_rng(31)
+    x = np.sort(rng.uniform(0, 10, 80))
+    y = rng.binomial(1, 1 / (1 + np.exp(-2 * np.sin(x))))
+    with pm.Model() as model:
+        X = pm.Data("X", (x - x.mean())[:, None])
+        ls = pm.InverseGamma("ls", 5, 7)
+        eta = pm.HalfNormal("eta", 2)
+        gp = pm.gp.HSGP(m=[15], L=[8.0], cov_func=eta**2 * pm.gp.cov.ExpQuad(1, ls=ls))
+        phi, sqrt_psd = gp.prior_linearized(X=X)
+        beta = pm.Normal("beta", 0, 1, size=15)
+        pm.Bernoulli("y", logit_p=phi @ (beta * sqrt_psd), observed=y, shape=X.shape[0])
+        approx = pm.fit(method="hmcssvi", random_seed=1, progressbar=False)
+    node = approx.sample_node(model["beta"], size=4000).eval()
+    draws = approx.sample(4000, random_seed=2).posterior["beta"].values.reshape(4000, -1)
+    z = np.abs(node.mean(0) - draws.mean(0)) / draws.std(0)
+    ratio = node.std(0) / draws.std(0)
+    assert np.abs(node).max() < 25
+    assert z.max() < 0.4 and 0.8 < ratio.min() and ratio.max() < 1.8

@@ -75,6 +75,7 @@ __all__ = [
     "axis_node_table",
     "off_axis_nodes",
     "within_axis_range",
+    "grid_nodes",
     "node_table_points",
     "grid_interpolation",
     "refit_graph",
@@ -85,6 +86,8 @@ __all__ = [
 AXIS_POINTS = np.array([-4.0, -3.0, -2.0, -1.0, 1.0, 2.0, 3.0, 4.0])
 #: The same points with the centre, in order (unit spacing).
 NODES = np.arange(-4.0, 5.0)
+#: Index of the centre (0) in :data:`NODES`.
+CENTRE_AT = int(np.flatnonzero(NODES == 0.0)[0])
 #: Accepted range of the profile's second difference at +-1 sd (1 for a Gaussian).
 CURVATURE_RANGE = (0.4, 1.6)
 #: Grid of the standard-normal argument of the tabulated axis transforms.
@@ -606,7 +609,6 @@ def averaged_view_factors(weights, factors, log_scales=None):
     n, per_axis = weights.shape[0], weights.shape[1] - 1
     if len(factors) != 1 + n * per_axis:
         raise ValueError(f"expected {1 + n * per_axis} profile points, got {len(factors)}")
-    centre_at = int(np.flatnonzero(NODES == 0.0)[0])
     out, ratios = [], []
     for s in range(len(factors[0])):
         covs = [_block_covariance(f[s]) for f in factors]
@@ -639,7 +641,7 @@ def averaged_view_factors(weights, factors, log_scales=None):
         ratio = np.empty((n, len(NODES), *var_avg.shape))
         for j in range(n):
             along = log_sds[1 + j * per_axis : 1 + (j + 1) * per_axis]
-            along.insert(centre_at, log_sds[0])
+            along.insert(CENTRE_AT, log_sds[0])
             ratio[j] = np.stack(along) - log_sds[0]
         # the axes multiply the centre's sd; the average over them is the averaged sd
         ratio[0] += log_sds[0] - 0.5 * np.log(var_avg)
@@ -658,7 +660,7 @@ def averaged_view_factors(weights, factors, log_scales=None):
                     -2.0 * np.sum(np.log(np.abs(np.diagonal(f[s], axis1=-2, axis2=-1))), -1)
                     for f in factors
                 ]
-                fit = (weights, covs, logdets, avg, prec, centre_at)
+                fit = (weights, covs, logdets, avg, prec)
                 scaled = _scaling_misfits(*fit, ratio)
                 plain = _scaling_misfits(*fit, np.zeros_like(ratio))
             if (
@@ -673,17 +675,17 @@ def averaged_view_factors(weights, factors, log_scales=None):
     return out, ratios
 
 
-def _point_log_scales(weights, ratio, centre_at):
+def _point_log_scales(weights, ratio):
     """Per profile point (the centre, then ``AXIS_POINTS`` along each axis in turn): its
     axis (``None`` at the centre), its weight in the axis marginal and the log sd ratios
     ``log D`` that the draws' noise gets there from ``ratio``."""
     n, per_axis = weights.shape[0], weights.shape[1] - 1
-    at_centre = ratio[:, centre_at].sum(axis=0)
+    at_centre = ratio[:, CENTRE_AT].sum(axis=0)
     yield None, weights[:, 0], at_centre
     for j in range(n):
         for i in range(per_axis):
-            node = i if i < centre_at else i + 1  # AXIS_POINTS skip the centre
-            yield j, weights[j, 1 + i], at_centre - ratio[j, centre_at] + ratio[j, node]
+            node = i if i < CENTRE_AT else i + 1  # AXIS_POINTS skip the centre
+            yield j, weights[j, 1 + i], at_centre - ratio[j, CENTRE_AT] + ratio[j, node]
 
 
 def _kl(C, S):
@@ -693,7 +695,7 @@ def _kl(C, S):
     return 0.5 * float(np.sum(trace - k + np.linalg.slogdet(S)[1] - np.linalg.slogdet(C)[1]))
 
 
-def _scaling_misfits(weights, covs, logdets, avg, prec, centre_at, ratio):
+def _scaling_misfits(weights, covs, logdets, avg, prec, ratio):
     """How far the draws' noise ``D avg D`` (``D`` the sd ratios ``ratio`` put together
     along the axes) is from the re-fitted conditional covariances ``C_p`` of the profile
     points: ``(pointwise, averaged)``.
@@ -714,7 +716,7 @@ def _scaling_misfits(weights, covs, logdets, avg, prec, centre_at, ratio):
     pointwise = 0.0
     target = [np.zeros_like(avg) for _ in range(n + 1)]
     model = [np.zeros_like(avg) for _ in range(n + 1)]
-    for p, (axis, w, log_d) in enumerate(_point_log_scales(weights, ratio, centre_at)):
+    for p, (axis, w, log_d) in enumerate(_point_log_scales(weights, ratio)):
         inv_d = np.exp(-log_d)
         trace = np.einsum(
             "...ab,...ab->...", prec * inv_d[..., :, None] * inv_d[..., None, :], covs[p]
@@ -803,6 +805,13 @@ def moment_grid(marginal: AxisMarginal, centre_h, size: int) -> MomentGrid:
     return MomentGrid(order[points], t, h, p)
 
 
+def grid_nodes(n: int) -> np.ndarray:
+    """``(len(NODES)^n, n)`` node indices of every point of the tensor grid of
+    :data:`NODES` along ``n`` axes, in row-major order (the rows of the tables
+    :func:`grid_interpolation` reads)."""
+    return np.indices((len(NODES),) * n).reshape(n, -1).T
+
+
 def node_table_points(marginal: AxisMarginal, centre_h, nodes=None) -> np.ndarray:
     """The hyperparameters at points of the tensor grid of :data:`NODES` along q(h)'s
     axes: at ``nodes`` (``(m, n)`` node indices per axis), by default at every point,
@@ -810,7 +819,7 @@ def node_table_points(marginal: AxisMarginal, centre_h, nodes=None) -> np.ndarra
     :func:`grid_interpolation` reads)."""
     n = len(marginal.scales)
     if nodes is None:
-        nodes = np.indices((len(NODES),) * n).reshape(n, -1).T
+        nodes = grid_nodes(n)
     t = NODES[np.asarray(nodes)]
     return np.asarray(centre_h) + (t * marginal.scales) @ np.asarray(marginal.directions).T
 
@@ -835,11 +844,10 @@ def axis_node_table(axis_values) -> np.ndarray:
     size = np.shape(axis_values[0])[-1]
     per_axis = len(AXIS_POINTS)
     n = (len(axis_values) - 1) // per_axis
-    centre_at = int(np.flatnonzero(NODES == 0.0)[0])
     table = np.zeros((n, len(NODES), size))
     for j in range(n):
         along = list(axis_values[1 + j * per_axis : 1 + (j + 1) * per_axis])
-        along.insert(centre_at, np.zeros(size))
+        along.insert(CENTRE_AT, np.zeros(size))
         table[j] = np.stack(along)
     return table
 
@@ -847,14 +855,13 @@ def axis_node_table(axis_values) -> np.ndarray:
 def off_axis_nodes(n: int) -> np.ndarray:
     """``(m, n)`` node indices of the points at ``+-2`` sds on every pair of axes: where a
     function that adds up across the axes is checked."""
-    centre_at = int(np.flatnonzero(NODES == 0.0)[0])
     out = []
     for j in range(n):
         for k in range(j + 1, n):
             for a in (-2, 2):
                 for b in (-2, 2):
-                    idx = [centre_at] * n
-                    idx[j], idx[k] = centre_at + a, centre_at + b
+                    idx = [CENTRE_AT] * n
+                    idx[j], idx[k] = CENTRE_AT + a, CENTRE_AT + b
                     out.append(idx)
     return np.asarray(out, dtype="int64").reshape(-1, n)
 
@@ -884,10 +891,7 @@ def within_axis_range(table, n: int) -> np.ndarray:
     (20.0, 4.0, -4.0)
     """
     table = np.asarray(table)
-    k = len(NODES)
-    centre_at = int(np.flatnonzero(NODES == 0.0)[0])
-    nodes = np.indices((k,) * n).reshape(n, -1).T
-    on_axes = (nodes != centre_at).sum(axis=1) <= 1
+    on_axes = (grid_nodes(n) != CENTRE_AT).sum(axis=1) <= 1
     return np.clip(table, table[on_axes].min(axis=0), table[on_axes].max(axis=0))
 
 

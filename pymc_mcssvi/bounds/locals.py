@@ -302,7 +302,8 @@ def _gaussian_closed_form(obs, value, shape, loc, scale, bound, model, fixed=())
         loc, scale = a + b * loc, pt.abs(b) * scale
     # y and sigma in the local's layout (entry i of y reads entry i of f in flat order)
     y = model.rvs_to_values[obs]
-    y, sigma = (in_local_layout(pt.broadcast_to(as_float(x), y.shape), shape) for x in (y, sigma))
+    sigma = pt.broadcast_to(as_float(sigma), y.shape)
+    y, sigma = in_local_layout(y, shape), in_local_layout(sigma, shape)
     if bound == "optimal":
         var = pt.square(sigma) + pt.square(scale)
         return -0.5 * np.log(2 * np.pi) - 0.5 * pt.log(var) - 0.5 * pt.square(y - loc) / var

@@ -66,6 +66,7 @@ from pymc_mcssvi.algorithms.marginal import (
     node_table_points,
     noise_moment_factors,
     off_axis_nodes,
+    profile_scales,
     refit_graph,
     within_axis_range,
 )
@@ -1517,9 +1518,19 @@ class StructuredVI(Inference):
             logger.info("Skewed q(h) not computed (%s: %s)", type(err).__name__, err)
             return
         self._warn_higher_profile(refits, V, s, mu)
-        am = axis_marginal([r.value for r in refits], V, s)
+        values = [r.value for r in refits]
+        am = axis_marginal(values, V, s)
         if am is None:
-            logger.info("Skewed q(h) not used: the profile disagrees with its curvature")
+            # the Gaussian kept is fitted to the profile along the axes, not only to its
+            # curvature at the centre (see ``profile_scales``)
+            fitted = profile_scales(values, s)
+            hyp.lr_factor.set_value(np.linalg.cholesky((V / fitted**2) @ V.T)[None])
+            logger.info(
+                "Skewed q(h) not used: the profile disagrees with its curvature; Gaussian "
+                "q(h) fitted to the profile along its axes (scales %s, curvature's %s)",
+                np.round(fitted, 4),
+                np.round(s, 4),
+            )
             return
         if len(s) > MAX_UNCHECKED_HYPERS and (skew := axis_skew(am)) < MIN_AXIS_SKEW:
             logger.info(

@@ -56,12 +56,12 @@ class GaussianGlobal:
         The random variable and its value variable (untransformed).
     shape : tuple of int
         Static shape of the variable.
-    prior : {"normal", "mvnormal", "zerosum", "icar", "car", "studentt", "laplace", \
-"cauchy", "logistic", "gumbel", "moyal", "asymmetriclaplace", "skewstudentt"}
+    prior : {"normal", "mvnormal", "zerosum", "icar", "car", "flat", "studentt", \
+"laplace", "cauchy", "logistic", "gumbel", "moyal", "asymmetriclaplace", "skewstudentt"}
         Family of the prior as written in the model. The Gaussian ones (with the
         spatial ``pm.ICAR`` and ``pm.CAR``) enter the bound as whitened residuals
-        (closed form); the others as a one-dimensional log density term in the
-        variable, like a likelihood.
+        (closed form); ``pm.Flat`` (log density 0) enters not at all; the others
+        as a one-dimensional log density term in the variable, like a likelihood.
     """
 
     name: str

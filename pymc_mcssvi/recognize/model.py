@@ -147,6 +147,8 @@ def _recognize(model, cov, bound, inner, n_inner) -> TwoLevelModel:
     notes: list[str] = []
 
     for g in gaussians:
+        if g.prior == "flat":  # log density 0: no term (prior precision 0)
+            continue
         term, const = _prior_term(model, g, gvalues, gshapes)
         predictor_terms.append(term)
         constant_terms.append(const)
@@ -725,7 +727,12 @@ def _split_crossed(gaussians, segments, crossed: set[int]) -> tuple[str, ...]:
 
 #: Priors of an effect vector under which its entries are independent given the
 #: hyperparameters (an MvNormal: its rows), so that the arrow keeps their posterior.
-_ROW_INDEPENDENT_PRIORS = ("normal", "mvnormal", *(v[0] for v in NON_GAUSSIAN_PRIORS.values()))
+_ROW_INDEPENDENT_PRIORS = (
+    "normal",
+    "mvnormal",
+    "flat",
+    *(v[0] for v in NON_GAUSSIAN_PRIORS.values()),
+)
 
 
 def _arrow_suffices(terms: list[PredictorTerm], gaussians) -> bool:

@@ -35,6 +35,7 @@ import numpy as np
 import pytensor.tensor as pt
 from pymc.distributions.continuous import (
     AsymmetricLaplaceRV,
+    FlatRV,
     MoyalRV,
     SkewStudentTRV,
 )
@@ -448,6 +449,8 @@ def loc_and_others(rv, ps):
     # zero mean; parameters (sigma, support shape) and (W, sigma, zero_sum_stdev)
     if isinstance(op, ZeroSumNormalRV | ICARRV):
         return pt.constant(0.0), list(ps)
+    if isinstance(op, FlatRV):  # no parameters
+        return pt.constant(0.0), []
     spec = NON_GAUSSIAN_PRIORS.get(type(op))
     i = 0 if spec is None else spec[1]
     return ps[i], [p for j, p in enumerate(ps) if j != i]
@@ -529,6 +532,10 @@ def assign_roles(model) -> Roles:
             cand[rv] = series
         elif type(op) in NON_GAUSSIAN_PRIORS:
             cand[rv] = NON_GAUSSIAN_PRIORS[type(op)][0]
+        elif isinstance(op, FlatRV):
+            # an improper uniform prior on the real line (an intercept written
+            # pm.Flat): a Gaussian global with prior precision 0
+            cand[rv] = "flat"
     shapes = {values[rv]: vshape[rv] for rv in cand}
     reasons: dict = {}
 

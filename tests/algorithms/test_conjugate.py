@@ -56,6 +56,34 @@ def test_one_step_rho_one_is_exact_posterior(conjugate, cls):
     np.testing.assert_allclose(-inf.hist[-1], logml, rtol=1e-9)
 
 
+def test_flat_intercept_is_a_gaussian_global_with_zero_prior_precision():
+    """``pm.Flat`` (log density 0) is a Gaussian global with no prior term: one step
+    with rho = 1 lands on the exact posterior, whose precision has no prior part in
+    that coordinate. It was a hyperparameter (a mean-field q apart from the other
+    coefficients: a group scale 0.28 NUTS sd low, the intercept's sd 0.90x)."""
+    rng = np.random.default_rng(4)
+    n, d = 80, 3
+    X = rng.normal(size=(n, d))
+    sigma = 0.7
+    y = 2.0 + X @ rng.normal(size=d) + rng.normal(0, sigma, n)
+    with pm.Model() as model:
+        b0 = pm.Flat("b0")
+        w = pm.Normal("w", 0.0, 1.5, shape=d)
+        pm.Normal("y", b0 + X @ w, sigma, observed=y)
+    assert pymc_mcssvi.describe(model).role("b0") == "gaussian global"
+    A = np.column_stack([np.ones(n), X])
+    prior_prec = np.diag(np.r_[0.0, np.full(d, 1 / 2.25)])
+    P = prior_prec + A.T @ A / sigma**2
+    m = np.linalg.solve(P, A.T @ y / sigma**2)
+    with model:
+        inf = pymc_mcssvi.MCSSVI(schedule=1.0, start_sigma=3.0)
+        inf.fit(n=2, progressbar=False)
+    k = inf.kernel
+    L = k.base_factor[0].get_value()[0]
+    np.testing.assert_allclose(k.base_mean[0].get_value()[0], m, rtol=0, atol=1e-8)
+    np.testing.assert_allclose(L @ L.T, P, rtol=1e-8, atol=1e-10 * np.abs(P).max())
+
+
 def test_bound_at_posterior_is_log_marginal_likelihood(conjugate):
     model, m, P, logml = conjugate
     with model:

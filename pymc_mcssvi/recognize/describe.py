@@ -11,7 +11,7 @@ import pytensor
 
 from pymc_mcssvi.recognize.graph import evaluate_static
 from pymc_mcssvi.recognize.ir import TwoLevelModel
-from pymc_mcssvi.recognize.roles import base_op
+from pymc_mcssvi.recognize.roles import dist_name
 
 __all__ = ["ModelDescription", "describe"]
 
@@ -113,12 +113,6 @@ def _table(rows, cols, title):
     return "\n".join([title, line, sep, *body])
 
 
-def _dist_name(rv) -> str:
-    op, _ = base_op(rv)
-    name = getattr(op, "_print_name", None)
-    return name[0] if name else type(op).__name__
-
-
 def describe(model: pm.Model | None = None, cov=None, *, show: bool = False) -> ModelDescription:
     """Recognize ``model`` and describe the result.
 
@@ -180,7 +174,7 @@ def describe(model: pm.Model | None = None, cov=None, *, show: bool = False) -> 
             dict(
                 name=g.name,
                 role="gaussian global",
-                distribution=_dist_name(g.rv),
+                distribution=dist_name(g.rv),
                 shape=g.shape,
                 q=q,
                 note="",
@@ -191,7 +185,7 @@ def describe(model: pm.Model | None = None, cov=None, *, show: bool = False) -> 
             dict(
                 name=r.name,
                 role="rayleigh global",
-                distribution=_dist_name(r.rv),
+                distribution=dist_name(r.rv),
                 shape=r.shape,
                 q="Rayleigh",
                 note="",
@@ -203,7 +197,7 @@ def describe(model: pm.Model | None = None, cov=None, *, show: bool = False) -> 
             dict(
                 name=lc.name,
                 role=f"local, marginalized by {how}",
-                distribution=_dist_name(lc.rv),
+                distribution=dist_name(lc.rv),
                 shape=lc.shape,
                 q="integrated out",
                 note=f"of {lc.observed!r}",
@@ -214,7 +208,7 @@ def describe(model: pm.Model | None = None, cov=None, *, show: bool = False) -> 
             dict(
                 name=leaf.name,
                 role="predictive leaf",
-                distribution=_dist_name(leaf.rv),
+                distribution=dist_name(leaf.rv),
                 shape=leaf.shape,
                 q="prior given the others",
                 note="nothing reads it: left out of the fit, drawn exactly by approx.sample",
@@ -225,7 +219,7 @@ def describe(model: pm.Model | None = None, cov=None, *, show: bool = False) -> 
             dict(
                 name=h.name,
                 role="hyperparameter",
-                distribution=_dist_name(h.rv),
+                distribution=dist_name(h.rv),
                 shape=h.shape,
                 q="meanfield Gaussian or point (hyper=)",
                 note=h.reason,
@@ -245,7 +239,7 @@ def describe(model: pm.Model | None = None, cov=None, *, show: bool = False) -> 
         obs_rows.append(
             dict(
                 name=obs.name,
-                distribution=_dist_name(obs),
+                distribution=dist_name(obs),
                 predictor=tlm.observed.get(obs.name, "?"),
                 size="?" if size is None else "x".join(str(s) for s in size) or "1",
                 scaling=tlm.scaling.get(obs.name, "1"),

@@ -84,7 +84,7 @@ from pymc_mcssvi.recognize.ir import (
 )
 from pymc_mcssvi.recognize.zerosum import LinearZeroSumTransform
 
-__all__ = ["Roles", "assign_roles", "base_op", "dist_params", "loc_and_others"]
+__all__ = ["Roles", "assign_roles", "base_op", "dist_name", "dist_params", "loc_and_others"]
 
 
 def _carrier(rv):
@@ -456,6 +456,28 @@ def loc_and_others(rv, ps):
     return ps[i], [p for j, p in enumerate(ps) if j != i]
 
 
+def dist_name(rv) -> str:
+    """The name of ``rv``'s distribution as the user wrote it (``"HalfNormal"``,
+    ``"LKJCholeskyCov"``).
+
+    Examples
+    --------
+    >>> import pymc as pm
+    >>> with pm.Model() as m:
+    ...     _ = pm.LKJCholeskyCov("chol", n=2, eta=2, sd_dist=pm.Exponential.dist(1))
+    ...     _ = pm.HalfNormal("s", 1)
+    >>> [dist_name(rv) for rv in m.free_RVs]
+    ['LKJCholeskyCov', 'HalfNormal']
+    """
+    op, _ = base_op(rv)
+    name = getattr(op, "_print_name", None)
+    if name and not name[0].startswith("_"):
+        return name[0]
+    # a private op's print name (``_lkjcholeskycov``): the op's class name reads as the
+    # distribution the user wrote
+    return type(op).__name__.strip("_").removesuffix("RV")
+
+
 def assign_roles(model) -> Roles:
     """Split the free variables of ``model`` into the roles of a two-level model.
 
@@ -584,7 +606,7 @@ def assign_roles(model) -> Roles:
         if rv in reasons:
             return reasons[rv]
         op, _ = base_op(rv)
-        name = getattr(op, "_print_name", (type(op).__name__,))[0]
+        name = dist_name(rv)
         if isinstance(op, NormalRV | MvNormalRV) and model.rvs_to_transforms.get(rv) is not None:
             tr = type(model.rvs_to_transforms[rv]).__name__.replace("Transform", "").lower()
             return f"{name} prior with a transform ({tr})"
@@ -615,6 +637,12 @@ def assign_roles(model) -> Roles:
             for rv in free
             if isinstance(base_op(rv)[0], NormalRV) and model.rvs_to_transforms.get(rv) is not None
         ]
+        # pm.gp.MarginalApprox writes its likelihood as a Potential of this name
+        sparse_gp = [
+            pot.name
+            for pot in model.potentials
+            if (pot.name or "").startswith("marginalapprox_loglik")
+        ]
         hint = (
             f"{', '.join(map(repr, transformed))} "
             f"{'is a pm.Normal' if len(transformed) == 1 else 'are pm.Normals'} with a "
@@ -627,6 +655,13 @@ def assign_roles(model) -> Roles:
             "pm.gp.Marginal writes a GP): write the GP with pm.gp.Latent (or pm.gp.HSGP) "
             "and a pm.Normal likelihood, so that its values are the Gaussian global, "
             if marginal_gp
+            else f"{sparse_gp[0]!r} is a sparse GP's likelihood with every latent integrated "
+            "out (as pm.gp.MarginalApprox writes it): put the inducing values in the model, "
+            "`u = pm.gp.Latent(cov_func=cov).prior('u', Xu)` and `f = cov(X, Xu) @ "
+            "pt.linalg.solve(cov(Xu), u)` with a "
+            "pm.Normal likelihood, so that they are the Gaussian global (user guide: sparse "
+            "GP on inducing points), "
+            if sparse_gp
             else "give the regression coefficients Normal priors (for probabilities, "
             "pm.math.invlogit of Normal effects instead of pm.Beta ones; for proportions such "
             "as a Dirichlet topic model's, softmax of Normal logits: a correlated topic "

@@ -274,6 +274,23 @@ def test_marginal_gp_without_latents_is_told_how_to_write_it():
             pm.fit(method="hmcssvi", progressbar=False)
 
 
+def test_sparse_marginal_gp_is_told_to_put_the_inducing_values_in_the_model():
+    """``pm.gp.MarginalApprox`` (FITC, VFE) writes its likelihood as a Potential with the
+    GP integrated out: the error names it and says how to write the inducing-point GP
+    the plugin fits, instead of asking for Normal regression coefficients."""
+    rng = np.random.default_rng(45)
+    X = np.sort(rng.uniform(0, 10, 40))[:, None]
+    y = np.sin(X[:, 0]) + rng.normal(0, 0.3, 40)
+    with pm.Model():
+        ls, eta = pm.Gamma("ls", 4, 2), pm.HalfNormal("eta", 2)
+        gp = pm.gp.MarginalApprox(cov_func=eta**2 * pm.gp.cov.ExpQuad(1, ls), approx="FITC")
+        gp.marginal_likelihood("y", X=X, Xu=X[::5], y=y, sigma=pm.HalfNormal("sigma", 1))
+        with pytest.raises(
+            UnsupportedModelError, match=r"'marginalapprox_loglik_y' is a sparse GP.*gp\.Latent"
+        ):
+            pm.fit(method="hmcssvi", progressbar=False)
+
+
 def test_beta_binomial_hierarchy_is_told_to_use_logit_normal_effects():
     """The rat-tumour model of PyMC's gallery (``theta_j ~ Beta``, binomial counts) has no
     Gaussian global; the error points to the logit-normal form the plugin fits."""

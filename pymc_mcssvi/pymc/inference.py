@@ -682,9 +682,10 @@ class StructuredVI(Inference):
         if self.tlm.bilinear_terms and self._effects_scaled_by_hypers():
             names = ", ".join(repr(h.name) for h in self.tlm.hypers)
             warnings.warn(
-                f"In a matrix factorization the learned prior scales of the factors ({names}) "
-                "can come out too small and too narrow where the data are weak: q(U) and "
-                "q(V) are independent, and that bound itself is highest at small scales "
+                f"In a matrix factorization the learned prior scales ({names}: of the "
+                "factors, and of effects beside them such as row and column biases) can come "
+                "out too small and too narrow where the data are weak: q(U), q(V) and the "
+                "effects' q are independent, and that bound itself is highest at small scales "
                 "(a 60 x 40 Bernoulli factorization: tau 0.17 +- 0.01 where NUTS gives "
                 "0.69 +- 0.15; with tau fixed the bound is 34 nats lower at 0.69 than at "
                 "0.17, so hyper='point' ends there too), and the scales' steps are not "

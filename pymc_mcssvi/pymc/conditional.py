@@ -147,10 +147,9 @@ class ConditionalGlobals:
     Attributes
     ----------
     nodes : GridNodes or None
-        Set by a fit whose q(h) is gridded: each draw's re-fit starts from the
-        nearest node (in the grid's scales), and where re-fitting every draw is not
-        affordable the draws take q(w | h) interpolated between the nodes around
-        their ``h`` (:func:`node_corners`).
+        Set by a fit whose q(h) is gridded: the draws take q(w | h) interpolated
+        between the nodes around their ``h`` (:func:`node_corners`), each node an
+        exact re-fit, instead of a re-fit at every draw.
     """
 
     def __init__(self, kernel, model, group, work_per_draw):
@@ -331,11 +330,16 @@ class ConditionalGlobals:
         # small blocks, one LAPACK call each: threads cost more than they save (see
         # StructuredVI._blas_limits), badly so on a busy machine (1 ms per 8 x 8 solve)
         with threadpool_limits(limits=1, user_api="blas"), np.errstate(all="ignore"):
-            if self.affordable(n) and self.affordable(n, first):
+            if self.nodes is not None:
+                # A gridded q(h): q(w | h) interpolated between its nodes, each an exact
+                # re-fit, is as close to NUTS as a re-fit at every draw and 30x cheaper
+                # (radon GLMM, 2000 draws: effects within 0.082 / 0.077 NUTS sd, the same
+                # sds; 0.2 s against 6.7-7.2 s; a 20-team Bradley-Terry model 0.05 s
+                # against 8 s, its fit taking 0.8 s)
+                self._draw_from_nodes(samples, names, n, rng, flat, keep)
+            elif self.affordable(n) and self.affordable(n, first):
                 size = int(max(1, min(n, BATCH_BYTES // self._measure(first)[0])))
                 self._draw(samples, names, n, size, rng, flat, keep)
-            elif self.nodes is not None:
-                self._draw_from_nodes(samples, names, n, rng, flat, keep)
             else:
                 return {}
         out = {}
@@ -350,36 +354,13 @@ class ConditionalGlobals:
         for lo in range(0, n, size):
             sl = slice(lo, min(n, lo + size))
             hs = [np.asarray(samples[nm][sl], dtype="float64") for nm in names]
-            start = None
-            if self.nodes is not None:  # from the nearest node: far draws converge there
-                H = np.concatenate([h.reshape(len(h), -1) for h in hs], axis=1)
-                j = self._nearest_nodes(H)
-                start = (
-                    [m[j] for m in self.nodes.means],
-                    [f[j] for f in self.nodes.factors],
-                    self._node_h()[j],
-                )
-            means, factors, values = self.refit(hs, start=start)
+            means, factors, values = self.refit(hs)
             keep[sl] = ~np.isfinite(values)
             for m, L, idx in zip(means, factors, g.flat_maps, strict=True):
                 e = rng.standard_normal(m.shape)
                 # w = m + L^{-T} e
                 noise = np.linalg.solve(np.swapaxes(L, -1, -2), e[..., None])[..., 0]
                 flat[sl, np.asarray(idx).reshape(-1)] = (m + noise).reshape(m.shape[0], -1)
-
-    def _node_h(self):
-        nodes = self.nodes
-        return nodes.centre + LADDER[nodes.index] * nodes.scales
-
-    def _nearest_nodes(self, H):
-        """Index of the grid node nearest to each row of ``H`` (in the grid's scales)."""
-        t_nodes = self._node_h() / self.nodes.scales
-        out = np.empty(len(H), dtype="int64")
-        step = int(max(1, 2**22 // max(len(t_nodes), 1)))
-        for lo in range(0, len(H), step):
-            t = H[lo : lo + step] / self.nodes.scales
-            out[lo : lo + step] = np.argmin(((t[:, None, :] - t_nodes[None]) ** 2).sum(-1), axis=1)
-        return out
 
     def _draw_from_nodes(self, samples, names, n, rng, flat, keep):
         """Draws of q(w | h) interpolated between the grid's nodes (:func:`node_corners`):

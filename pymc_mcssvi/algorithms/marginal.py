@@ -53,6 +53,9 @@ __all__ = [
     "FLAT_TOP_FALL",
     "PROFILE_FIT_FALL",
     "profile_scales",
+    "VOLUME_CAP",
+    "volume_corrections",
+    "corrected_axis_values",
     "EPS_GRID",
     "AxisMarginal",
     "MAX_UNCHECKED_HYPERS",
@@ -97,6 +100,9 @@ CURVATURE_RANGE = (0.4, 1.6)
 #: makes a second difference below :data:`CURVATURE_RANGE` a flat top the axis
 #: marginal follows (a unit Gaussian's at 3 sd; the density there is 1.1% of the top's).
 FLAT_TOP_FALL = 4.5
+#: Largest log-volume correction (nats) of an axis's slice at +-2 sds
+#: (:func:`volume_corrections`; measured up to 0.85 on a 3 x 3 LKJ covariance).
+VOLUME_CAP = 2.0
 #: Profile values (nats below the centre) that the Gaussian fitted to the axes'
 #: profile (:func:`profile_scales`) is fitted to: a unit Gaussian's out to 4 sds.
 PROFILE_FIT_FALL = 8.0
@@ -920,6 +926,93 @@ def off_axis_nodes(n: int) -> np.ndarray:
                     idx[j], idx[k] = CENTRE_AT + a, CENTRE_AT + b
                     out.append(idx)
     return np.asarray(out, dtype="int64").reshape(-1, n)
+
+
+def volume_corrections(axis_values, corner_values) -> np.ndarray:
+    """Log volume of the other axes along each axis, at ``-2`` and ``+2`` sds: ``(n, 2)``.
+
+    The axis marginals of :func:`axis_marginal` are slices of the profile
+    ``L(t)`` through the centre; the marginal of ``t_j`` integrates ``exp(L)``
+    over the other axes, whose spread can change along ``t_j``. Laplace's
+    approximation in each other axis ``k`` (its curvature ``c_k`` from the second
+    difference at ``t_k = +-2``) gives the slice's correction ``-1/2 sum_k
+    log(c_k(t_j) / c_k(0))``, computed at ``t_j = +-2`` from the profile at the
+    corners ``(t_j, t_k) = (+-2, +-2)`` (:func:`off_axis_nodes`). It is 0 where the
+    profile adds up across the axes (independent group scales: within 0.03 nats),
+    and it moves what slices miss: the sds of a 3 x 3 LKJ covariance, whose
+    correlations are freer at larger sds (corrections up to 0.85 nats; the
+    slices put the sds up to 0.42 NUTS sd low, corrected within 0.04). A pair
+    whose curvature is not positive at a corner adds nothing; each correction
+    is capped at :data:`VOLUME_CAP` nats.
+
+    Parameters
+    ----------
+    axis_values : np.ndarray
+        ``(n, len(AXIS_POINTS))`` the profile along the axes, relative to the centre.
+    corner_values : np.ndarray
+        The profile relative to the centre at the :func:`off_axis_nodes` points.
+
+    Examples
+    --------
+    ``L = -t_1^2 / 2 - exp(b t_1) t_2^2 / 2``: the marginal of ``t_1`` is its slice
+    times ``exp(-b t_1 / 2)``:
+
+    >>> import numpy as np
+    >>> b = 0.3
+    >>> L = lambda t1, t2: -0.5 * t1**2 - 0.5 * np.exp(b * t1) * t2**2
+    >>> d = np.array([L(AXIS_POINTS, 0.0), L(0.0, AXIS_POINTS)])
+    >>> corners = np.array([L(*NODES[i]) for i in off_axis_nodes(2)])
+    >>> volume_corrections(d, corners)[0].round(6).tolist()
+    [0.3, -0.3]
+    """
+    d = np.asarray(axis_values, dtype="float64")
+    n = d.shape[0]
+    at = {z: i for i, z in enumerate(AXIS_POINTS)}
+    corners = iter(np.asarray(corner_values, dtype="float64"))
+    value = {}  # (j, k, t_j, t_k) for j < k, in the order of off_axis_nodes
+    for j in range(n):
+        for k in range(j + 1, n):
+            for a in (-2.0, 2.0):
+                for b in (-2.0, 2.0):
+                    value[j, k, a, b] = next(corners)
+    out = np.zeros((n, 2))
+    for j in range(n):
+        for side, a in enumerate((-2.0, 2.0)):
+            total = 0.0
+            for k in range(n):
+                if k == j:
+                    continue
+                pair = [value[j, k, a, b] if j < k else value[k, j, b, a] for b in (-2.0, 2.0)]
+                c_at = -(pair[0] + pair[1] - 2.0 * d[j, at[a]]) / 4.0
+                c_0 = -(d[k, at[-2.0]] + d[k, at[2.0]]) / 4.0
+                if np.isfinite(c_at) and np.isfinite(c_0) and c_at > 0 and c_0 > 0:
+                    total -= 0.5 * np.log(c_at / c_0)
+            out[j, side] = np.clip(total, -VOLUME_CAP, VOLUME_CAP)
+    return out
+
+
+def corrected_axis_values(values, corrections) -> np.ndarray:
+    """Profile values (the order of :func:`axis_marginal`) plus the other axes' log
+    volume (:func:`volume_corrections`): linear in ``t`` out to ``+-2`` sds on each
+    side of the centre (exact where the other axes' log curvatures are), and held
+    at its value there beyond, where the corners say nothing (extrapolated
+    linearly, the volume of a 3-group model's heavy-tailed scales widened their
+    sds 1.10 -> 1.18x NUTS's; held, 1.15x, with the same correction of a 3 x 3
+    LKJ covariance's sds).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> v = corrected_axis_values(np.zeros(1 + len(AXIS_POINTS)), np.array([[0.3, -0.3]]))
+    >>> v[1:].round(2).tolist()  # at AXIS_POINTS -4 .. 4
+    [0.3, 0.3, 0.3, 0.15, -0.15, -0.3, -0.3, -0.3]
+    """
+    values = np.asarray(values, dtype="float64")
+    c = np.asarray(corrections, dtype="float64")
+    z = AXIS_POINTS
+    w = np.minimum(np.abs(z), 2.0) / 2.0
+    delta = np.where(z < 0, c[:, :1] * w, c[:, 1:] * w)
+    return np.r_[values[0], values[1:] + delta.ravel()]
 
 
 def within_axis_range(table, n: int) -> np.ndarray:

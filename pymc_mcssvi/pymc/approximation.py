@@ -15,7 +15,11 @@ from typing import NamedTuple
 import numpy as np
 import pytensor.tensor as pt
 from pymc.variational.opvi import Approximation, Group, node_property
-from pytensor.ifelse import ifelse
+
+try:
+    from pytensor.conditional.op import ifelse
+except ImportError:  # PyTensor releases before the module moved
+    from pytensor.ifelse import ifelse
 from xarray import DataArray, Dataset
 
 from pymc_mcssvi.algorithms.marginal import grid_interpolation, node_interpolation, table_transform
@@ -25,7 +29,7 @@ from pymc_mcssvi.pymc.python_vm import graph_building
 
 __all__ = [
     "ConditionalView",
-    "LowerTriangle",
+    "FactorTriangle",
     "PointGroup",
     "StructuredApproximation",
     "StructuredGaussianGroup",
@@ -86,39 +90,44 @@ class ConditionalView(NamedTuple):
     moment_factors: list
 
 
-class LowerTriangle:
-    """The lower triangles of a shared stack of triangular factors: ``get_value()`` is
-    the ``(..., K (K + 1) / 2)`` entries on and below the diagonal, ``set_value`` takes
-    them back.
+class FactorTriangle:
+    """The triangles of a shared stack of triangular factors: ``get_value()`` is the
+    ``(..., K (K + 1) / 2)`` entries on and below the diagonal (``lower=True``, the
+    precision's Cholesky factors of MC-SSVI and H-MC-SSVI) or on and above it
+    (S-DSVI's ``S = C^T C``, ``C`` upper), ``set_value`` takes them back.
 
     Examples
     --------
     >>> import numpy as np, pytensor
     >>> f = pytensor.shared(np.array([[[1.0, 0.0], [2.0, 3.0]]]), name="factor")
-    >>> LowerTriangle(f).get_value().tolist()
+    >>> FactorTriangle(f).get_value().tolist()
     [[1.0, 2.0, 3.0]]
-    >>> LowerTriangle(f).set_value([[4.0, 5.0, 6.0]]); f.get_value().tolist()
+    >>> FactorTriangle(f).set_value([[4.0, 5.0, 6.0]]); f.get_value().tolist()
     [[[4.0, 0.0], [5.0, 6.0]]]
+    >>> c = pytensor.shared(np.array([[[1.0, 2.0], [0.0, 3.0]]]), name="factor")
+    >>> FactorTriangle(c, lower=False).get_value().tolist()
+    [[1.0, 2.0, 3.0]]
     """
 
-    def __init__(self, shared):
+    def __init__(self, shared, lower=True):
         self.shared = shared
         self.name = shared.name
+        self._indices = np.tril_indices if lower else np.triu_indices
 
     def get_value(self, borrow=False):
         value = self.shared.get_value(borrow=True)
-        i, j = np.tril_indices(value.shape[-1])
+        i, j = self._indices(value.shape[-1])
         return value[..., i, j]
 
     def set_value(self, value, borrow=False):
-        """Set the lower triangles (as :meth:`get_value` gives them); the rest stays 0."""
+        """Set the triangles (as :meth:`get_value` gives them); the rest stays 0."""
         full = np.zeros_like(self.shared.get_value(borrow=True))
-        i, j = np.tril_indices(full.shape[-1])
+        i, j = self._indices(full.shape[-1])
         full[..., i, j] = value
         self.shared.set_value(full)
 
     def __repr__(self):
-        return f"LowerTriangle({self.name})"
+        return f"FactorTriangle({self.name})"
 
 
 def _scatter(target, idx, values):
@@ -213,13 +222,16 @@ class StructuredGaussianGroup(Group):
 
     @property
     def params(self):
-        """The means, and the factors' lower triangles (:class:`LowerTriangle`).
+        """The means, and the factors' triangles (:class:`FactorTriangle`).
 
         The factors' structural zeros are left out: PyMC's
         ``CheckParametersConvergence`` (default ``diff="relative"``) reads a
-        constant 0 as a relative change of 1 and never stopped a fit.
+        constant 0 as a relative change of 1 and never stopped a fit (S-DSVI's
+        factors are upper triangular: their lower triangles, read before, were
+        those zeros).
         """
-        return [*self.shared_means, *map(LowerTriangle, self.shared_factors)]
+        lower = self.parameterization == "precision"
+        return [*self.shared_means, *(FactorTriangle(f, lower) for f in self.shared_factors)]
 
     def _responses(self):
         """``(hyper_group, [(U_s, flat_map_s), ...])`` or ``None``."""
@@ -675,7 +687,10 @@ class StructuredApproximation(Approximation):
         """
         if not isinstance(draws, int | np.integer) or isinstance(draws, bool) or draws < 1:
             raise ValueError(f"draws must be a positive integer, got {draws!r}")
-        with graph_building(), self._fitted_coords():
+        # the fitted data with the fitted coordinates: after ``pm.set_data(...,
+        # coords=...)`` the data groups had the new length under the old labels (an
+        # xarray CoordinateValidationError)
+        with graph_building(), self.fitted_data(), self._fitted_coords():
             out = super().sample(
                 draws, random_seed=random_seed, return_inferencedata=return_inferencedata, **kwargs
             )

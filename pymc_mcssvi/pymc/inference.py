@@ -60,6 +60,7 @@ from pymc_mcssvi.algorithms.marginal import (
     axis_node_table,
     axis_skew,
     conditional_mean_table,
+    corrected_axis_values,
     data_coordinates,
     draw_moments,
     moment_grid,
@@ -68,6 +69,7 @@ from pymc_mcssvi.algorithms.marginal import (
     off_axis_nodes,
     profile_scales,
     refit_graph,
+    volume_corrections,
     within_axis_range,
 )
 from pymc_mcssvi.algorithms.mcssvi import MCSSVIStep
@@ -125,7 +127,7 @@ from pymc_mcssvi.pymc.python_vm import (  # noqa: F401  (re-exported: older impo
     without_structure_rewrites,
 )
 from pymc_mcssvi.recognize.graph import depends_on_any, evaluate_static, static_shape
-from pymc_mcssvi.recognize.model import MIXED_BILINEAR, recognize
+from pymc_mcssvi.recognize.model import MIXED_BILINEAR, check_data, recognize
 
 __all__ = ["HMCSSVI", "MCSSVI", "SDSVI", "StructuredVI"]
 
@@ -765,6 +767,8 @@ class StructuredVI(Inference):
             model=self.model, overrides=start, jitter_rvs={}, return_transformed=True
         )
         point = ipfn(0)
+        if start:
+            _check_start(point, self.model, start)
         tlm = self.tlm
         offsets, dim, maps = flat_indices(tlm)
         flat = np.concatenate(
@@ -1200,6 +1204,7 @@ class StructuredVI(Inference):
             raise ValueError(f"max_iter must be positive, got {max_iter!r}")
         callbacks = list(callbacks or [])
         if self.approx.changed_data():
+            check_data(self.model, [g.value for g in self.tlm.gaussians])
             # ``pm.set_data`` since the last fit: the stored bound (and the derivatives
             # behind the pending candidate) are the old data's, against which every step
             # would be judged. The current q is re-evaluated on the new data and accepted.
@@ -1354,10 +1359,11 @@ class StructuredVI(Inference):
             )
         return self._conditional_globals
 
-    def _grid_wanted(self, prof, centre, am, mu) -> bool:
-        """Whether the axis marginal ``am`` misses a heavy tail or a bending ridge of the
-        profile (:func:`~pymc_mcssvi.algorithms.profile_grid.grid_wanted`; the corners
-        cost 4 re-fits per pair of axes). Logged at INFO."""
+    @staticmethod
+    def _corner_values(prof, centre, am, mu):
+        """The profile relative to the centre at ``+-2`` sds on every pair of q(h)'s axes
+        (:func:`~pymc_mcssvi.algorithms.marginal.off_axis_nodes`: 4 re-fits per pair), or
+        ``None`` where the bound is not finite at one of them."""
         V, s = np.asarray(am.directions), np.asarray(am.scales)
         corners = []
         try:
@@ -1365,9 +1371,17 @@ class StructuredVI(Inference):
                 for idx in off_axis_nodes(len(s)):
                     h = mu + V @ (s * NODES[idx])
                     corners.append(prof.refit(h, *prof.start(h, centre, mu)).value - centre.value)
-        except FloatingPointError:  # the bound is not finite there: not a Gaussian's corner
+        except FloatingPointError:
+            return None
+        return np.asarray(corners)
+
+    def _grid_wanted(self, am, corners) -> bool:
+        """Whether the axis marginal ``am`` misses a heavy tail or a bending ridge of the
+        profile (:func:`~pymc_mcssvi.algorithms.profile_grid.grid_wanted`; ``corners``
+        from :meth:`_corner_values`). Logged at INFO."""
+        if corners is None:  # the bound is not finite at a corner: not a Gaussian's corner
             return True
-        wanted, tail, corner = grid_wanted(am.log_density, np.asarray(corners))
+        wanted, tail, corner = grid_wanted(am.log_density, corners)
         logger.info(
             "q(h) %s: profile falls %.2f nats at 4 sds, corners depart %.2f nats",
             "gridded" if wanted else "not gridded",
@@ -1538,14 +1552,27 @@ class StructuredVI(Inference):
                 "Skewed q(h) not used: %d axes, skew %.3f below %s", len(s), skew, MIN_AXIS_SKEW
             )
             return
+        corners = self._corner_values(prof, centre, am, mu) if len(s) > 1 else None
         joint = None
         if (
             getattr(self, "_grid", None) is not None
             and self._grid_affordable(mu)
-            and self._grid_wanted(prof, centre, am, mu)
+            and self._grid_wanted(am, corners)
         ):
             seeds = [mu] + [mu + z * s[j] * V[:, j] for j in range(len(s)) for z in AXIS_POINTS]
             joint = self._profile_grid(mu, P, list(zip(seeds, refits, strict=True)))
+        if joint is None and corners is not None:
+            # slices through the centre leave out how the other axes' spread changes
+            # along each axis: their log volume, from the corners (``volume_corrections``)
+            corrections = volume_corrections(am.log_density, corners)
+            corrected = axis_marginal(corrected_axis_values(values, corrections), V, s)
+            if corrected is None:
+                logger.info(
+                    "Skewed q(h) without the other axes' volume: it disagrees with "
+                    "the curvature once corrected"
+                )
+            else:
+                am = corrected
         if joint is not None:
             gm, D = joint
             g_on, D_sh, Tg_sh, C_sh, rows_sh = self._grid
@@ -2003,6 +2030,31 @@ def _flatten(flat_maps, size, blocks) -> np.ndarray:
     for b, idx in zip(blocks, flat_maps, strict=True):
         out[idx.reshape(-1)] = np.asarray(b).reshape(-1)
     return out
+
+
+def _check_start(point, model, start):
+    """Raise for a ``start=`` value of the wrong shape or outside its variable's support.
+
+    ``point`` is the initial point (transformed values) with ``start``: a value of
+    another shape was silently cut to the variable's length (or raised a raw
+    ``IndexError``), and one outside the support (a negative scale) became a NaN
+    mean of q.
+    """
+    default = model.initial_point()
+    rv_name = {v.name: model.values_to_rvs[v].name for v in model.value_vars}
+    for name, value in point.items():
+        var, want = rv_name.get(name, name), np.shape(default[name])
+        if np.shape(value) != want:
+            raise ValueError(
+                f"start value for {var!r} has shape {np.shape(value)}, but {var!r} has shape "
+                f"{want}: pass an array of that shape"
+            )
+        if not np.all(np.isfinite(value)):
+            raise ValueError(
+                f"start value for {var!r} is outside its support (not finite in PyMC's "
+                f"unconstrained space, {name!r}): pass a value inside it, e.g. a positive "
+                "value for a scale"
+            )
 
 
 def _start_sigmas(start_sigma, tlm, dim, offsets):

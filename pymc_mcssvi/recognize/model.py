@@ -65,7 +65,7 @@ from pymc_mcssvi.recognize.series import series_residuals
 from pymc_mcssvi.recognize.whiten import whitened_mvnormal
 from pymc_mcssvi.recognize.zerosum import zerosum_as_linear
 
-__all__ = ["MAX_GENERAL_DIM", "recognize"]
+__all__ = ["MAX_GENERAL_DIM", "check_data", "recognize"]
 
 #: Largest Gaussian dimension the Monte Carlo + autodiff path accepts (it forms D x D Hessians).
 MAX_GENERAL_DIM = 2000
@@ -391,6 +391,23 @@ def _check_observed_shapes(model):
                     "length too (pm.set_data({..., 'y': y_new}), with the observed data as "
                     "pm.Data), or make the shapes agree",
                 )
+
+
+def check_data(model, gaussian_values) -> None:
+    """Recognition's checks of the data, again: for data changed by ``pm.set_data``
+    after the model was recognized (a fit continued with ``refine`` or ``fit``).
+
+    NaN or infinite observations, NaN in the data a likelihood reads, and gather
+    indices of the Gaussian globals (``gaussian_values``) out of range raise
+    :class:`~pymc_mcssvi.UnsupportedModelError` as they do before a first fit;
+    they made a continued fit's bound infinite, silently, or raised PyTensor's
+    own ``IndexError``.
+    """
+    for obs in model.observed_RVs:
+        _check_observed_data(model, obs)
+    logps = model.logp(vars=list(model.observed_RVs), sum=False)
+    for obs, logp in zip(model.observed_RVs, logps, strict=True):
+        check_gather_indices(obs.name, logp, list(gaussian_values))
 
 
 def _check_observed_data(model, obs):

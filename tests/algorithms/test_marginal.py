@@ -10,9 +10,13 @@ from pymc_mcssvi.algorithms.marginal import (
     AXIS_POINTS,
     EPS_GRID,
     MAX_AXIS_RESCALES,
+    NODES,
     ConditionalProfile,
     axis_marginal,
+    corrected_axis_values,
+    off_axis_nodes,
     table_transform,
+    volume_corrections,
 )
 from tests.conftest import nuts_draws
 
@@ -76,6 +80,48 @@ def test_axis_marginal_of_a_flat_top_follows_the_profile():
     assert np.quantile(np.abs(draws), 0.5) > 0.7  # but wider at the top: 0.67
     heavy = np.r_[0.0, -0.12 * AXIS_POINTS**2]
     assert axis_marginal(heavy, np.eye(1), np.ones(1)) is None
+
+
+def test_volume_corrections_give_the_marginal_of_a_profile_that_does_not_add_up():
+    """Three axes, the second's and third's curvatures moving with the first (as a
+    correlation's freedom moves with an sd): the corrected slice of the first axis is
+    its exact marginal (Laplace is exact for these Gaussian conditionals), where the
+    plain slice is off by the other axes' log volume, ``-(b2 + b3) t / 2`` (out to
+    +-2 sds, where the corners are); a profile that adds up across its axes gets no
+    correction."""
+    b2, b3 = 0.3, -0.2
+
+    def L(t):
+        t = np.atleast_2d(t)
+        return (
+            -0.5 * t[:, 0] ** 2
+            - 0.5 * np.exp(b2 * t[:, 0]) * t[:, 1] ** 2
+            - 0.5 * np.exp(b3 * t[:, 0]) * t[:, 2] ** 2
+        )
+
+    n = 3
+    points = [np.zeros(n)]
+    for j in range(n):
+        for z in AXIS_POINTS:
+            t = np.zeros(n)
+            t[j] = z
+            points.append(t)
+    values = L(np.array(points))
+    d = (values[1:] - values[0]).reshape(n, -1)
+    corners = L(NODES[off_axis_nodes(n)])
+    c = volume_corrections(d, corners)
+    np.testing.assert_allclose(c[0], [(b2 + b3), -(b2 + b3)], atol=1e-12)
+    corrected = corrected_axis_values(values, c)[1 : 1 + len(AXIS_POINTS)]
+    # the log of the marginal out to +-2 sds, where the corners are; held beyond
+    t = np.clip(AXIS_POINTS, -2.0, 2.0)
+    exact = -0.5 * AXIS_POINTS**2 - 0.5 * (b2 + b3) * t
+    np.testing.assert_allclose(corrected, exact, atol=1e-12)
+    additive = lambda t: -0.5 * (np.atleast_2d(t) ** 2).sum(1) - 0.1 * np.atleast_2d(t)[:, 0] ** 3  # noqa: E731
+    values = additive(np.array(points))
+    d = (values[1:] - values[0]).reshape(n, -1)
+    np.testing.assert_allclose(
+        volume_corrections(d, additive(NODES[off_axis_nodes(n)])), 0.0, atol=1e-12
+    )
 
 
 def test_axis_walk_is_at_the_scale_it_reports():

@@ -137,6 +137,12 @@ def test_check_parameters_convergence_with_its_defaults_stops_the_fit(data):
     assert approx.n_iter == 100
     flat = np.concatenate([p.get_value().ravel() for p in approx.params])
     assert np.all(flat != 0.0)
+    # S-DSVI's factors are upper triangular (S = C^T C): their params are the upper
+    # triangles, which hold the covariance (the lower ones, read before, were zeros)
+    with linreg(*data):
+        approx = pm.fit(n=20, method="sdsvi", progressbar=False)
+    flat = np.concatenate([p.get_value().ravel() for p in approx.params])
+    assert np.all(flat != 0.0)
 
 
 def test_same_seed_is_bit_identical(data):
@@ -301,6 +307,32 @@ def test_sample_after_set_dim_keeps_the_fitted_coordinates():
     assert post["a"].shape == (1, 5, 6)
     assert list(post["grp"].values) == [f"g{i}" for i in range(6)]
     assert len(model.coords["grp"]) == 9
+
+
+def test_sample_after_set_data_with_new_coords_is_the_fitted_posterior():
+    """``pm.set_data`` with new data and new coordinates for predictions: ``approx.sample()``
+    is the posterior of the fitted data, its data groups the fitted data under the fitted
+    labels (the new data under the old labels raised xarray's "conflicting sizes for
+    dimension 'obs'"), and the predictions are for the new data."""
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(100, 2))
+    y = X @ [1.0, -0.5] + rng.normal(size=100)
+    with pm.Model(coords={"obs": np.arange(100), "feat": ["a", "b"]}) as model:
+        x = pm.Data("x", X, dims=("obs", "feat"))
+        yd = pm.Data("y_obs", y, dims="obs")
+        w = pm.Normal("w", 0, 1, dims="feat")
+        mu = pm.Deterministic("mu", x @ w, dims="obs")
+        pm.Normal("y", mu, 1.0, observed=yd, dims="obs")
+        approx = pm.fit(method="hmcssvi", progressbar=False)
+        pm.set_data({"x": X[:5], "y_obs": np.zeros(5)}, coords={"obs": np.arange(100, 105)})
+    idata = approx.sample(20, random_seed=1)
+    assert idata["posterior"]["mu"].shape == (1, 20, 100)
+    assert idata["observed_data"]["y"].shape == (100,)
+    np.testing.assert_array_equal(idata["posterior"]["obs"].values, np.arange(100))
+    with model:
+        pred = pm.sample_posterior_predictive(idata, predictions=True, progressbar=False)
+    assert pred["predictions"]["y"].shape == (1, 20, 5)
+    np.testing.assert_array_equal(pred["predictions"]["obs"].values, np.arange(100, 105))
 
 
 def test_model_with_data_frozen_into_constants_fits_as_the_original():

@@ -291,6 +291,53 @@ def test_sparse_marginal_gp_is_told_to_put_the_inducing_values_in_the_model():
             pm.fit(method="hmcssvi", progressbar=False)
 
 
+def test_start_values_of_the_wrong_shape_or_outside_the_support_are_refused():
+    """``start=`` with another shape was cut silently to the variable's length (or
+    raised a raw IndexError); a negative scale became a NaN mean of q."""
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(60, 3))
+    y = (X @ [1.0, -0.5, 0.2] + rng.logistic(size=60) > 0).astype(int)
+    with pm.Model(coords={"feat": ["a", "b", "c"]}):
+        b0 = pm.Normal("b0", 0, 2)
+        w = pm.Normal("w", 0, 1, dims="feat")
+        s = pm.HalfNormal("s", 1)
+        pm.Bernoulli("y", logit_p=b0 + s * (X @ w), observed=y)
+        for bad in (np.arange(10.0), np.ones(2)):
+            with pytest.raises(ValueError, match=r"start value for 'w' has shape"):
+                pm.fit(method="hmcssvi", start={"w": bad}, progressbar=False)
+        with pytest.raises(ValueError, match=r"start value for 's' is outside its support"):
+            pm.fit(method="hmcssvi", n=1, start={"s": -1.0}, progressbar=False)
+
+
+def test_data_set_after_a_fit_is_checked_when_the_fit_goes_on():
+    """``pm.set_data`` with NaN predictors or an out-of-range group index, then
+    ``refine``: the checks of a first fit apply (NaN raised a raw broadcast error or
+    gave an infinite bound; the index a raw PyTensor IndexError)."""
+    rng = np.random.default_rng(0)
+    N, G = 80, 5
+    X, g = rng.normal(size=(N, 2)), rng.integers(0, G, N)
+    y = X @ [1.0, -0.5] + rng.normal(0, 0.7, G)[g] + rng.normal(0, 0.5, N)
+    with pm.Model():
+        x, gd = pm.Data("x", X), pm.Data("g", g)
+        w = pm.Normal("w", 0, 1, shape=2)
+        a = pm.Normal("a", 0, pm.HalfNormal("sa", 1), shape=G)
+        pm.Normal("y", x @ w + a[gd], 0.5, observed=y)
+        inference = pymc_mcssvi.HMCSSVI()
+        inference.fit(progressbar=False)
+        bad = X.copy()
+        bad[3, 1] = np.nan
+        pm.set_data({"x": bad})
+        with pytest.raises(UnsupportedModelError, match=r"data 'x' .* contains NaN"):
+            inference.refine(5, progressbar=False)
+        bad_g = g.copy()
+        bad_g[0] = 50
+        pm.set_data({"x": X, "g": bad_g})
+        with pytest.raises(UnsupportedModelError, match=r"outside \[0, 5\)"):
+            inference.refine(5, progressbar=False)
+        pm.set_data({"g": g})
+        assert np.isfinite(inference.refine(2, progressbar=False).hist[-1])
+
+
 def test_beta_binomial_hierarchy_is_told_to_use_logit_normal_effects():
     """The rat-tumour model of PyMC's gallery (``theta_j ~ Beta``, binomial counts) has no
     Gaussian global; the error points to the logit-normal form the plugin fits."""

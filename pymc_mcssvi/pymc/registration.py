@@ -8,6 +8,7 @@ left out to stop at convergence) and hands every other call to PyMC unchanged.
 
 from __future__ import annotations
 
+import difflib
 import functools
 import inspect
 
@@ -63,6 +64,20 @@ def fit(
             model = pm.modelcontext(model)
             inference = METHODS[name](model=model, **inf_kwargs)
         return inference.fit(n, **kwargs)
+    if isinstance(method, type) and issubclass(method, StructuredVI):
+        raise TypeError(
+            f"method={method.__name__} is a class: pass an instance "
+            f"(pm.fit(method=pymc_mcssvi.{method.__name__}(...))) or its name "
+            f"(pm.fit(method={_name_of(method)!r}))"
+        )
+    if isinstance(method, str) and name not in _PYMC_METHODS:
+        cleaned = name.strip().replace("-", "").replace(" ", "")
+        close = difflib.get_close_matches(cleaned, [*METHODS, *_PYMC_METHODS], n=1, cutoff=0.6)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise KeyError(
+            f"unknown method {method!r}{hint}: pm.fit takes {sorted(METHODS)} from "
+            f"pymc_mcssvi and {sorted(_PYMC_METHODS)} from PyMC, or an Inference instance"
+        )
     if n is None:
         n = 10_000
     return _original_fit(
@@ -75,6 +90,15 @@ def fit(
         inf_kwargs=inf_kwargs,
         **kwargs,
     )
+
+
+#: The names PyMC's own ``pm.fit`` takes.
+_PYMC_METHODS = frozenset({"advi", "fullrank_advi", "svgd", "asvgd"})
+
+
+def _name_of(cls) -> str:
+    """The registered method name of an inference class."""
+    return next((k for k, v in METHODS.items() if v is cls), cls.__name__.lower())
 
 
 def register():

@@ -363,3 +363,17 @@ def test_describe_gives_the_size_of_every_observed_variable():
         pm.Normal("Y", b[0] + b[1] * np.ones((5, 2)), 1.0, observed=np.ones((5, 2)))
     sizes = {r["name"]: r["size"] for r in pymc_mcssvi.describe(model).observed}
     assert sizes == {"y": "1", "Y": "5x2"}
+
+
+def test_unknown_method_names_list_the_plugins_methods_too():
+    """A misspelt method (PyMC's KeyError listed only PyMC's four methods) or the class
+    instead of an instance gets an error naming what pm.fit takes."""
+    with pm.Model():
+        w = pm.Normal("w", 0, 1)
+        pm.Normal("y", w, 1, observed=[0.1, 0.2])
+        for typo in ("hmcssvi ", "hmc-ssvi"):
+            with pytest.raises(KeyError, match=r"did you mean 'hmcssvi'\?.*'sdsvi'.*'advi'"):
+                pm.fit(method=typo, progressbar=False)
+        with pytest.raises(TypeError, match=r"is a class: pass an instance"):
+            pm.fit(method=HMCSSVI, progressbar=False)
+        assert pm.fit(n=5, method="ADVI", progressbar=False).hist.size == 5

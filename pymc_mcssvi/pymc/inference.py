@@ -2044,6 +2044,8 @@ def _check_start(point, model, start):
     rv_name = {v.name: model.values_to_rvs[v].name for v in model.value_vars}
     for name, value in point.items():
         var, want = rv_name.get(name, name), np.shape(default[name])
+        if var not in start and name not in start:
+            continue
         if np.shape(value) != want:
             raise ValueError(
                 f"start value for {var!r} has shape {np.shape(value)}, but {var!r} has shape "

@@ -12,6 +12,13 @@ from pymc_mcssvi.algorithms.kernel import MAX_COUPLED_HYPERS
 from tests.conftest import nuts_draws
 
 
+def _against(ref, post, name):
+    """``(|mean - NUTS mean| / NUTS sd, sd / NUTS sd)`` of ``name`` in two posteriors."""
+    mu, sd = ref[name].mean(("chain", "draw")).values, ref[name].std(("chain", "draw")).values
+    z = np.abs(post[name].mean(("chain", "draw")).values - mu) / sd
+    return z, post[name].std(("chain", "draw")).values / sd
+
+
 # --------------------------------------------------------------- conjugate case
 def _random_intercepts(centered, rng, G=12, n=150):
     g = np.concatenate([np.arange(G), rng.integers(0, G, n - G)])
@@ -164,10 +171,8 @@ def test_observation_level_effect_with_large_counts_agrees_with_nuts():
         approx = pm.fit(method="hmcssvi", progressbar=False, random_seed=1)
     post = approx.sample(1000, random_seed=2).posterior
     for v in ("b0", "b1", "s_g", "s_e", "u"):
-        mu, sd = ref[v].mean(("chain", "draw")).values, ref[v].std(("chain", "draw")).values
-        z = np.abs(post[v].mean(("chain", "draw")).values - mu) / sd
+        z, ratio = _against(ref, post, v)
         assert np.all(z < 0.2), (v, z)
-        ratio = post[v].std(("chain", "draw")).values / sd
         assert np.all(np.abs(ratio - 1) < 0.2), (v, ratio)
 
 
@@ -259,9 +264,7 @@ def test_lkj_covariance_hyperparameters_are_meanfield_against_nuts():
     post = approx.sample(1000, random_seed=2).posterior
     assert "point_estimates" not in post.attrs or not post.attrs["point_estimates"]
     for v in ("chol_stds", "sigma", "b0", "b1"):
-        mu, sd = ref[v].mean(("chain", "draw")).values, ref[v].std(("chain", "draw")).values
-        z = np.abs(post[v].mean(("chain", "draw")).values - mu) / sd
-        ratio = post[v].std(("chain", "draw")).values / sd
+        z, ratio = _against(ref, post, v)
         assert np.all(z < 0.35), (v, z)
         assert np.all(np.abs(ratio - 1) < 0.3), (v, ratio)
     assert np.isfinite(post["ab"].values).all()
@@ -316,9 +319,7 @@ def test_small_slope_sd_of_an_lkj_covariance_has_no_runaway_tail(monkeypatch, fl
         ("beta", 0.1, 0.8),
         ("u", 0.25, 0.8),
     ):
-        mu, sd = ref[v].mean(("chain", "draw")).values, ref[v].std(("chain", "draw")).values
-        z = np.abs(post[v].mean(("chain", "draw")).values - mu) / sd
-        ratio = post[v].std(("chain", "draw")).values / sd
+        z, ratio = _against(ref, post, v)
         assert np.all(z < z_max), (v, z)
         assert np.all((ratio > lowest) & (ratio < 1.2)), (v, ratio)
 
@@ -350,9 +351,7 @@ def test_three_correlated_effects_scales_follow_the_volume_of_the_correlations()
         approx = pymc_mcssvi.HMCSSVI(random_seed=1).fit(progressbar=False)
     post = approx.sample(4000, random_seed=5).posterior
     for v in ("chol_stds", "ab", "beta", "s"):
-        mu, sd = ref[v].mean(("chain", "draw")).values, ref[v].std(("chain", "draw")).values
-        z = np.abs(post[v].mean(("chain", "draw")).values - mu) / sd
-        ratio = post[v].std(("chain", "draw")).values / sd
+        z, ratio = _against(ref, post, v)
         assert np.all(z < 0.12), (v, z)
         assert np.all(np.abs(ratio - 1) < 0.12), (v, ratio)
 

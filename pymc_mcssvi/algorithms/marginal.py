@@ -968,13 +968,11 @@ def volume_corrections(axis_values, corner_values) -> np.ndarray:
     d = np.asarray(axis_values, dtype="float64")
     n = d.shape[0]
     at = {z: i for i, z in enumerate(AXIS_POINTS)}
-    corners = iter(np.asarray(corner_values, dtype="float64"))
-    value = {}  # (j, k, t_j, t_k) for j < k, in the order of off_axis_nodes
-    for j in range(n):
-        for k in range(j + 1, n):
-            for a in (-2.0, 2.0):
-                for b in (-2.0, 2.0):
-                    value[j, k, a, b] = next(corners)
+    value = {}  # (j, k, t_j, t_k) for j < k
+    for idx, v in zip(off_axis_nodes(n), np.asarray(corner_values, dtype="float64"), strict=True):
+        t = NODES[idx]
+        j, k = np.flatnonzero(t)
+        value[j, k, t[j], t[k]] = v
     out = np.zeros((n, 2))
     for j in range(n):
         for side, a in enumerate((-2.0, 2.0)):

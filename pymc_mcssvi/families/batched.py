@@ -109,7 +109,7 @@ class _StackedLinalg(Op):
     __props__ = ("kind",)
 
     def __init__(self, kind: str):
-        assert kind in ("cholesky", "inverse")
+        assert kind in ("cholesky", "inverse", "lower_inverse")
         self.kind = kind
 
     def make_node(self, x):
@@ -118,7 +118,7 @@ class _StackedLinalg(Op):
 
     def perform(self, node, inputs, outputs):
         (x,) = inputs
-        if self.kind == "inverse":
+        if self.kind in ("inverse", "lower_inverse"):
             with np.errstate(all="ignore"):
                 try:
                     out = np.linalg.inv(x)
@@ -145,6 +145,11 @@ class _StackedLinalg(Op):
 
 stacked_cholesky = _StackedLinalg("cholesky")
 stacked_inverse = _StackedLinalg("inverse")
+#: ``L^{-1}`` of lower-triangular blocks: NumPy's stacked inverse on the Python VM, one
+#: triangular solve in the compiled backends (a general inverse there is an LU
+#: factorization and two triangular solves: 13 of a 110 ms JAX step of InstEval's
+#: binary factorization, B = 5).
+stacked_lower_inverse = _StackedLinalg("lower_inverse")
 
 
 @node_rewriter([_StackedLinalg])
@@ -164,6 +169,9 @@ def stacked_linalg_as_blockwise(fgraph, node):
     (x,) = node.inputs
     if node.op.kind == "cholesky":
         return [pt.linalg.cholesky(x, lower=True, check_finite=False, on_error="nan")]
+    if node.op.kind == "lower_inverse":
+        eye = pt.broadcast_to(pt.eye(x.shape[-1], dtype=x.dtype), x.shape)
+        return [pt.linalg.solve_triangular(x, eye, lower=True, check_finite=False)]
     return [pt.linalg.inv(x)]
 
 
@@ -192,4 +200,13 @@ def register_jax_dispatch() -> None:
     def _jax_stacked_linalg(op, **kwargs):
         import jax.numpy as jnp
 
+        if op.kind == "lower_inverse":
+            from jax.scipy.linalg import solve_triangular
+
+            def lower_inverse(x):
+                return solve_triangular(
+                    x, jnp.broadcast_to(jnp.eye(x.shape[-1], dtype=x.dtype), x.shape), lower=True
+                )
+
+            return lower_inverse
         return jnp.linalg.inv if op.kind == "inverse" else jnp.linalg.cholesky

@@ -30,6 +30,8 @@ the caller treats as a rejected step.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from typing import Literal, NamedTuple
 
 import numpy as np
@@ -43,7 +45,7 @@ from pymc_mcssvi.families.batched import (
     solve_lower_t_unrolled,
     solve_lower_unrolled,
     stacked_cholesky,
-    stacked_inverse,
+    stacked_lower_inverse,
 )
 
 __all__ = [
@@ -110,15 +112,49 @@ def _stacked(x) -> bool:
     return x.ndim == 3 and (R is None or R > 1)
 
 
+#: Whether :func:`bmm` builds batched ``@`` for small blocks too (see
+#: :func:`compiled_products`).
+_MATMUL_PRODUCTS = contextvars.ContextVar("matmul_products", default=False)
+
+
+@contextlib.contextmanager
+def compiled_products():
+    """Build stacked products of small blocks as batched ``@`` (for a JAX step).
+
+    XLA turns a batched ``@`` into one batched dot, and the broadcast form of
+    :func:`bmm` (best for NumPy's loops) into a reduction over ``K^3``
+    temporaries: for ``(14860, 10, 10)`` blocks 1.2 ms against 8.5 ms (JAX on CPU).
+
+    Examples
+    --------
+    >>> import pytensor.tensor as pt
+    >>> A = pt.tensor3("A", shape=(None, 3, 3))
+    >>> with compiled_products():
+    ...     prod = bmm(A, A)
+    >>> type(prod.owner.op).__name__
+    'Blockwise'
+    """
+    token = _MATMUL_PRODUCTS.set(True)
+    try:
+        yield
+    finally:
+        _MATMUL_PRODUCTS.reset(token)
+
+
 def bmm(A, B):
     """``A @ B`` for stacks of small matrices, as an elementwise product and a sum.
 
     A batched ``@`` is a loop of BLAS calls (a Python loop when the step is not
     compiled); for ``K`` up to :data:`BROADCAST_MAX_K` the broadcast form is
     faster, for larger blocks (a 185-dimensional joint block: 6.3 million
-    temporaries per product) the BLAS call is.
+    temporaries per product) the BLAS call is. Inside :func:`compiled_products`
+    it is always ``A @ B``.
     """
-    if (A.ndim <= 2 and B.ndim <= 2) or not _broadcast_small(A.type.shape[-1], B.type.shape[-1]):
+    if (
+        (A.ndim <= 2 and B.ndim <= 2)
+        or _MATMUL_PRODUCTS.get()
+        or not _broadcast_small(A.type.shape[-1], B.type.shape[-1])
+    ):
         return A @ B
     return pt.sum(A[..., :, :, None] * B[..., None, :, :], axis=-2)
 
@@ -159,7 +195,7 @@ def _lower_inverse(L):
     if _unroll(L):
         return lower_inverse_unrolled(L)
     if _stacked(L):
-        return stacked_inverse(L)
+        return stacked_lower_inverse(L)
     return pt.linalg.solve_triangular(L, _eye_like(L), lower=True)
 
 
@@ -357,7 +393,7 @@ def cho_solve_blocks(L, b):
     if _unroll(L):
         return solve_lower_t_unrolled(L, solve_lower_unrolled(L, b))
     if _stacked(L):
-        Li = stacked_inverse(L)
+        Li = stacked_lower_inverse(L)
         return pt.sum(
             pt.matrix_transpose(Li) * pt.sum(Li * b[..., None, :], axis=-1)[..., None, :], axis=-1
         )

@@ -92,7 +92,7 @@ from pymc_mcssvi.bounds.structured import StructuredBound
 from pymc_mcssvi.estimators.general import flat_indices
 from pymc_mcssvi.exceptions import DivergenceError
 from pymc_mcssvi.families.batched import register_jax_dispatch
-from pymc_mcssvi.families.gaussian import GaussianBlocks
+from pymc_mcssvi.families.gaussian import GaussianBlocks, compiled_products
 from pymc_mcssvi.pymc.approximation import (
     ConditionalView,
     PointGroup,
@@ -1106,7 +1106,13 @@ class StructuredVI(Inference):
         return fn
 
     def _compile_step(self, backend, compile_kwargs):
-        with graph_building():
+        ck = _named_backend_kwargs(backend, compile_kwargs) if backend != "python" else {}
+        mode = ck.get("mode")
+        jax_mode = backend == "jax" or (
+            isinstance(mode, Mode) and type(mode.linker).__name__ == "JAXLinker"
+        )
+        products = compiled_products() if jax_mode else contextlib.nullcontext()
+        with graph_building(), products:
             outputs, updates = self.kernel.build()
         if backend == "python":
 
@@ -1125,11 +1131,6 @@ class StructuredVI(Inference):
                     )
 
             return _UpgradingStep(compile_python)
-        ck = _named_backend_kwargs(backend, compile_kwargs)
-        mode = ck.get("mode")
-        jax_mode = backend == "jax" or (
-            isinstance(mode, Mode) and type(mode.linker).__name__ == "JAXLinker"
-        )
         if jax_mode:
             register_jax_dispatch()
             # static split positions for JAX (sigma-point vectorized gradients of joins)

@@ -179,7 +179,11 @@ class StepKernel:
         """
         alg = self.algorithm
         cand = [GaussianBlocks(m, f) for m, f in zip(self.cand_mean, self.cand_factor, strict=True)]
-        ev = self.bound.evaluate(cand, phase=self._next_phase_only())
+        # The factors move in turn: a factor's subsample windows advance once per
+        # step of that factor, whether or not the other side is computed too.
+        n_turns = len(getattr(self.bound, "phase_segments", [None]))
+        turns = pt.cast(self.t, "int64") // n_turns
+        ev = self.bound.evaluate(cand, phase=self._next_phase_only(), step=turns)
         nph = len(ev.phase_values)
         outs = [ev.value, *ev.phase_values, *ev.grads, *ev.hessians]
         nv = 1 + nph

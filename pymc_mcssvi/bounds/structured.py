@@ -252,6 +252,7 @@ class StructuredBound:
         need_derivatives: bool = True,
         need_hessian: bool = True,
         phase=None,
+        step=None,
     ):
         """Build the bound and its natural-gradient ingredients for ``states``.
 
@@ -259,6 +260,9 @@ class StructuredBound:
         bilinear terms for that phase's factor only (see
         :meth:`BilinearEstimator.expectations`): the other factor's ``g`` and
         ``H`` from those terms are zero and every phase value is that phase's.
+        ``step`` (symbolic integer, with ``row_subsample``) numbers the
+        evaluation so that the rows' subsample windows advance through their
+        observations (:meth:`BilinearEstimator.expectations`).
 
         Returns
         -------
@@ -306,7 +310,9 @@ class StructuredBound:
             hessians = [_add(a, b) for a, b in zip(hessians, H_gen, strict=True)]
         T_phase = None
         if self.bilinear.active:
-            T_v, T_u, g_bil, H_bil = self.bilinear.expectations(states, covs, need_hessian, phase)
+            T_v, T_u, g_bil, H_bil = self.bilinear.expectations(
+                states, covs, need_hessian, phase, step=step
+            )
             T_phase = [T_v, T_u]
             if need_derivatives:
                 grads = [_add(a, b) for a, b in zip(grads, g_bil, strict=True)]

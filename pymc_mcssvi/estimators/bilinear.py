@@ -23,10 +23,12 @@ estimate is a deterministic function of q (backtracking stays valid).
 
 Per-row subsampling (the paper's scheme for dense rows, ``row_subsample=B``):
 in every iteration each row ``j`` of the factor being updated uses at most
-``B`` of its ``|O_j|`` observations (a window of ``B`` consecutive ones, at a
-random start, of the row's observations in an order shuffled once), weighted by
-``|O_j| / |M_j|``; every observation is used with probability ``|M_j| / |O_j|``,
-so the sums above (and the bound) are unbiased estimates.
+``B`` of its ``|O_j|`` observations (a window of ``B`` consecutive ones of the
+row's observations in an order shuffled once, at a random offset that moves on
+by ``B`` at each step of the factor), weighted by ``|O_j| / |M_j|``; every
+observation is used with probability ``|M_j| / |O_j|``, so the sums above (and
+the bound) are unbiased estimates, and each is used once every
+``|O_j| / |M_j|`` steps.
 """
 
 from __future__ import annotations
@@ -201,25 +203,43 @@ class BilinearEstimator:
                     worst = max(worst, float(np.mean(c / np.minimum(c, self.row_subsample))))
         return float(min(worst, 100.0))
 
-    def _subsample(self, layout):
+    def _subsample(self, layout, step=None):
         """Observation ids ``(R * B,)`` and weights ``|O_j| / |M_j|`` (0 for padding).
 
         Row ``j``'s subset is a window of ``B`` consecutive observations (cyclically)
-        of its fixed random order, at a uniformly random start: each observation
-        is in it with probability ``B / |O_j|``, so the weighted sums are
-        unbiased, and a draw costs one uniform per row (sorting
-        ``rows x max |O_j|`` random keys per iteration, the previous way, took
+        of its fixed random order. With ``step`` (the number of earlier
+        evaluations of this side, symbolic) the window starts at ``o_j + step * B``
+        for a random offset ``o_j`` drawn once: consecutive windows are adjacent,
+        so every ``ceil(|O_j| / B)`` steps use each observation once (systematic
+        sampling without replacement, as an epoch of shuffled minibatches does).
+        Each window on its own is still at a uniformly random start, so each
+        observation is in it with probability ``B / |O_j|`` and the weighted sums
+        are unbiased. The natural step averages the estimates of recent
+        iterations, and adjacent windows make that average's noise smaller than
+        independent ones do (InstEval binary, B = 5: ADVI's final held-out NLL
+        reached after about 95 iterations instead of 120, and 0.6165 instead of
+        0.6176 after 200).
+        Without ``step`` (evaluations outside the step) the start is a fresh
+        uniform draw. Either way a draw costs one number per row (sorting
+        ``rows x max |O_j|`` random keys per iteration, an earlier way, took
         about a tenth of an InstEval step: lecturers have up to 633 ratings).
         """
         order, counts, starts = layout
         B = min(self.row_subsample, int(max(counts.max(), 1)))
-        # One generator per draw: a generator shared by two draws would give both
-        # the same numbers (PyMC's compile seeds each and updates it per call).
-        self._n_rngs += 1
-        rng = pt.random.shared_rng(seed=self.seed + 7919 * self._n_rngs, name="row_subsample_rng")
         n = np.maximum(counts, 1)[:, None]
-        u = pt.random.uniform(size=(len(counts),), rng=rng)
-        first = pt.cast(pt.floor(u[:, None] * pt.constant(n.astype("float64"))), "int64")
+        # One generator or offset per draw: two draws from one generator would give
+        # both the same numbers (PyMC's compile seeds each and updates it per call).
+        self._n_rngs += 1
+        if step is not None:
+            rng = np.random.default_rng(self.seed + 7919 * self._n_rngs)
+            offset = np.floor(rng.random(n.shape) * n).astype("int64")
+            first = pt.constant(offset) + pt.cast(step, "int64") * B
+        else:
+            rng = pt.random.shared_rng(
+                seed=self.seed + 7919 * self._n_rngs, name="row_subsample_rng"
+            )
+            u = pt.random.uniform(size=(len(counts),), rng=rng)
+            first = pt.cast(pt.floor(u[:, None] * pt.constant(n.astype("float64"))), "int64")
         pos = (first + pt.constant(np.arange(B)[None, :])) % pt.constant(n)
         valid = np.arange(B)[None, :] < counts[:, None]
         obs = pt.constant(order)[pt.minimum(pt.constant(starts[:, None]) + pos, len(order) - 1)]
@@ -374,7 +394,7 @@ class BilinearEstimator:
             b_obs = None if beta is None else pt.mean(beta, axis=0)
         return pt.mean(pt.sum(T, axis=-1)), g_obs, H_obs, exact_rows, a_obs, b_obs
 
-    def expectations(self, states, covs, need_hessian=True, phase=None):
+    def expectations(self, states, covs, need_hessian=True, phase=None, step=None):
         """``(T_v, T_u, grads, hessians)``.
 
         ``T_v`` (points of U, exact in V) is the value consistent with the
@@ -386,6 +406,10 @@ class BilinearEstimator:
         are zeros and both values are the computed side's. A stochastic
         (non-monotone) kernel moves one factor per step and needs nothing of
         the other, so each iteration does half the work.
+
+        ``step`` (a symbolic integer, with ``row_subsample``) counts the earlier
+        evaluations of each side: the rows' windows advance by ``B`` observations
+        per step (:meth:`_subsample`). Without it each window starts at random.
 
         Notes
         -----
@@ -425,7 +449,7 @@ class BilinearEstimator:
                     self._side(term, E_v, V, U, d, s, M=pt.matrix_transpose(M), affine=affine),
                 ]
             else:
-                subsets = [self._subsample(layout[1]), self._subsample(layout[0])]
+                subsets = [self._subsample(layout[1], step), self._subsample(layout[0], step)]
                 (obs_v, w_v), (obs_u, w_u) = subsets
                 sides = [
                     self._side(term, E_u, U, V, s, d, obs=obs_v, weight=w_v, affine=affine),

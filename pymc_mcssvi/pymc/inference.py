@@ -444,10 +444,12 @@ class StructuredVI(Inference):
         NLL 0.749 with 4 draws, 0.643 with sigma points).
     row_subsample : int, optional
         Matrix factorization: in each iteration every row of the factor being
-        updated uses at most this many of its observations, a fresh random
-        subset weighted by ``|O_j| / |M_j|`` (the paper's per-row subsampling for
-        dense rows; a window at a random start in a once-shuffled order of the
-        row's observations, so each is used with probability ``|M_j| / |O_j|``).
+        updated uses at most this many of its observations, weighted by
+        ``|O_j| / |M_j|`` (the paper's per-row subsampling for dense rows): a
+        window of a once-shuffled order of the row's observations that starts
+        at a random offset and moves on by ``row_subsample`` at each step of
+        the factor, so that each is used with probability ``|M_j| / |O_j|`` and
+        every ``|O_j| / |M_j|`` steps use each once.
         The bound estimate is then stochastic, so the default schedule is
         ``"power"`` and convergence is judged on windowed averages, as with
         ``pm.Minibatch``.

@@ -155,6 +155,48 @@ def test_row_subsampling_is_unbiased(rng, likelihood):
         assert np.all(np.abs(got.mean(0) - want) < 5 * se + 1e-9), i
 
 
+def test_row_subsample_windows_use_each_observation_once_per_cycle(rng):
+    """Numbered steps advance each row's window by B: on a 6 x 6 grid with B = 3 every
+    row and column has 6 observations, so steps 0 and 1 use each observation once and
+    their average is the full-batch g, H and bound exactly; step 2 repeats step 0."""
+    import pytensor.tensor as pt
+    from pymc.pytensorf import compile
+
+    from pymc_mcssvi.bounds.structured import StructuredBound
+    from pymc_mcssvi.families.gaussian import GaussianBlocks
+
+    R = C = 6
+    K = 2
+    ii, jj = np.meshgrid(np.arange(R), np.arange(C), indexing="ij")
+    s, d = ii.ravel(), jj.ravel()
+    y = rng.integers(0, 2, s.size)
+    with pm.Model() as m:
+        U = pm.Normal("U", 0, 1, shape=(R, K))
+        V = pm.Normal("V", 0, 1, shape=(C, K))
+        pm.Bernoulli("y", logit_p=(U[s] * V[d]).sum(-1), observed=y)
+    tlm = describe(m).tlm
+    states = [
+        GaussianBlocks(
+            pt_const(rng.normal(size=(r, K))), pt_const(0.8 * np.eye(K)[None].repeat(r, 0))
+        )
+        for r in (R, C)
+    ]
+    step = pt.lscalar("step")
+
+    def outputs(bound, **kw):
+        ev = bound.evaluate(states, **kw)
+        return [*ev.phase_values, *ev.grads, *ev.hessians]
+
+    full = compile([], outputs(StructuredBound(tlm, bilinear_draws="sigma")))()
+    sub = StructuredBound(tlm, bilinear_draws="sigma", row_subsample=3, seed=5)
+    fn = compile([step], outputs(sub, step=step))
+    first, second, third = fn(0), fn(1), fn(2)
+    assert not np.allclose(first[2], second[2])
+    for i, want in enumerate(full):
+        np.testing.assert_allclose(0.5 * (first[i] + second[i]), want, rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(third[i], first[i], rtol=0, atol=0)
+
+
 def pt_const(x):
     import pytensor.tensor as pt
 

@@ -294,11 +294,12 @@ class BilinearEstimator:
             half = rng.standard_normal((self.n_draws // 2, K))
         return np.concatenate([half, -half])
 
-    def _square_root(self, state: GaussianBlocks):
-        """``A`` with ``A A^T = S`` per row (``L^{-T}`` or ``C^T``)."""
+    def _square_root_t(self, state: GaussianBlocks):
+        """``A^T`` for ``A A^T = S`` per row (``L^{-1}`` or ``C``): the products below
+        contract the last axes of these, the form a batched dot is fastest in."""
         if self.parameterization == "precision":
-            return pt.matrix_transpose(_lower_inverse(state.factor))
-        return pt.matrix_transpose(state.factor)
+            return _lower_inverse(state.factor)
+        return state.factor
 
     def phase_segments(self, nseg):
         """Segments moved in each phase: phase 0 the right factors (V), phase 1 the left (U).
@@ -358,28 +359,35 @@ class BilinearEstimator:
         """``(T, g_obs, H_obs, rows, alpha, beta)`` for the factor ``exact``, with points of
         the factor ``draw``.
 
-        ``draw`` and ``exact`` are ``(mean, A)`` of all rows; ``M = A_x^T A_d`` per
+        ``draw`` and ``exact`` are ``(mean, A^T)`` of all rows; ``M = A_x^T A_d`` per
         observation may be passed in (shared with the other side). ``obs`` and
         ``weight`` restrict the observations (row subsampling). ``affine`` is the
         mean and variance, per observation, of terms added to the product;
         ``alpha`` and ``beta`` are then the expected derivatives per observation
         (averaged over the points, weighted, restricted to ``obs``), else None.
         """
-        (md, Ad), (mx, Ax) = draw, exact
+        (md, Atd), (mx, Atx) = draw, exact
         logp, ph = term.logp, term.placeholder
         if obs is not None:
             draw_rows, exact_rows = draw_rows[obs], exact_rows[obs]
             logp, ph = self._observation_subset(term, obs)
-        md, Ad, mx, Ax = md[draw_rows], Ad[draw_rows], mx[exact_rows], Ax[exact_rows]
+        md, Atd, mx, Atx = md[draw_rows], Atd[draw_rows], mx[exact_rows], Atx[exact_rows]
         if M is None:
-            M = bmm(pt.matrix_transpose(Ax), Ad)
+            M = bmm(Atx, pt.matrix_transpose(Atd))  # A_x^T A_d
         Ec = pt.constant(E)
-        mean = pt.sum(md * mx, axis=-1)[None, :] + pt.dot(
-            Ec, bmv(pt.matrix_transpose(Ad), mx).T
-        )  # (a, n)
-        p = bmv(pt.matrix_transpose(Ax), md)
-        ME = pt.tensordot(M, Ec, axes=[[2], [1]])  # (n, K, a)
-        var = pt.sum(pt.square(p[:, :, None] + ME), axis=1).T
+        mean = pt.sum(md * mx, axis=-1)[None, :] + pt.dot(Ec, bmv(Atd, mx).T)  # (a, n)
+        p = bmv(Atx, md)
+        if self.n_draws == "sigma":
+            # E = [c I; -c I], c = sqrt(K): ||p +- c M_k||^2 = |p|^2 +- 2 c (M^T p)_k + c^2 |M_k|^2
+            c = float(np.sqrt(E.shape[1]))
+            pp = pt.sum(pt.square(p), axis=-1)[:, None]
+            cross = 2.0 * c * pt.sum(M * p[:, :, None], axis=1)
+            cols = (c * c) * pt.sum(pt.square(M), axis=1)
+            var = pt.concatenate([pp + cross + cols, pp - cross + cols], axis=1).T
+        else:
+            ME = pt.tensordot(M, Ec, axes=[[2], [1]])  # (n, K, a)
+            var = pt.sum(pt.square(p[:, :, None] + ME), axis=1).T
+        Ad = pt.matrix_transpose(Atd)
         if affine is not None:
             ma, va = affine if obs is None else (affine[0][obs], affine[1][obs])
             mean, var = mean + ma[None, :], var + va[None, :]
@@ -433,8 +441,8 @@ class BilinearEstimator:
         for k, ((term, su, sv), layout, geom) in enumerate(items):
             K = states[su].mean.type.shape[1]
             s, d = term.left_rows, term.right_rows
-            U = (states[su].mean, self._square_root(states[su]))
-            V = (states[sv].mean, self._square_root(states[sv]))
+            U = (states[su].mean, self._square_root_t(states[su]))
+            V = (states[sv].mean, self._square_root_t(states[sv]))
             E_u, E_v = self._points(K, 2 * k), self._points(K, 2 * k + 1)
             affine = designs = None
             if geom is not None:
@@ -442,7 +450,7 @@ class BilinearEstimator:
                 ma, va = geom.moments(means, covs, designs)
                 affine = (ma, pt.maximum(va, 0.0))
             if layout is None:
-                M = bmm(pt.matrix_transpose(V[1][d]), U[1][s])  # A_v^T A_u
+                M = bmm(V[1][d], pt.matrix_transpose(U[1][s]))  # A_v^T A_u
                 subsets = [(None, None), (None, None)]
                 sides = [
                     self._side(term, E_u, U, V, s, d, M=M, affine=affine),

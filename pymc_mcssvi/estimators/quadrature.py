@@ -28,6 +28,8 @@ import numpy as np
 import pytensor.tensor as pt
 from pytensor.graph.replace import graph_replace, vectorize_graph
 
+from pymc_mcssvi.families.gaussian import compiled_products_active
+
 __all__ = ["expected_derivatives", "expected_pair_derivatives", "gauss_hermite"]
 
 
@@ -129,6 +131,10 @@ def expected_derivatives(
         w = pt.constant(w)
 
         def average(v):
+            if compiled_products_active():
+                # a weighted sum XLA fuses with the nodes' values (a dot would read
+                # them back from memory: 12 x 20 x 14,860 arrays of InstEval's PMF)
+                return pt.sum(w.reshape((-1,) + (1,) * (v.ndim - 1)) * v, axis=0)
             return pt.tensordot(w, v, axes=[[0], [0]])
 
     elif method == "mc":

@@ -170,7 +170,12 @@ def stacked_linalg_as_blockwise(fgraph, node):
     if node.op.kind == "cholesky":
         return [pt.linalg.cholesky(x, lower=True, check_finite=False, on_error="nan")]
     if node.op.kind == "lower_inverse":
-        eye = pt.broadcast_to(pt.eye(x.shape[-1], dtype=x.dtype), x.shape)
+        if None not in x.type.shape:  # a symbolic shape would be inferred by rewriting
+            eye = pt.broadcast_to(
+                pt.constant(np.eye(x.type.shape[-1], dtype=x.dtype)), x.type.shape
+            )
+        else:
+            eye = pt.broadcast_to(pt.eye(x.shape[-1], dtype=x.dtype), x.shape)
         return [pt.linalg.solve_triangular(x, eye, lower=True, check_finite=False)]
     return [pt.linalg.inv(x)]
 

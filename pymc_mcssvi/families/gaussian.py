@@ -141,6 +141,11 @@ def compiled_products():
         _MATMUL_PRODUCTS.reset(token)
 
 
+def compiled_products_active() -> bool:
+    """Whether graphs are being built for a JAX step (:func:`compiled_products`)."""
+    return _MATMUL_PRODUCTS.get()
+
+
 def bmm(A, B):
     """``A @ B`` for stacks of small matrices, as an elementwise product and a sum.
 

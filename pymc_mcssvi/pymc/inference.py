@@ -1140,7 +1140,7 @@ class StructuredVI(Inference):
                 (in2out(unbatch_constant_split), 59)
             )
         with self.model, warnings.catch_warnings():
-            # JAX steps draw from a copy of the row-subsampling generators: expected.
+            # JAX steps draw from copies of their generators (Monte Carlo draws): expected.
             warnings.filterwarnings("ignore", "The RandomType SharedVariables", UserWarning)
             fn = pm_compile([], outputs, updates=updates, random_seed=self.random_seed, **ck)
         return _HostStateStep(fn) if jax_mode else fn

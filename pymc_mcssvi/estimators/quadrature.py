@@ -26,7 +26,13 @@ from functools import lru_cache
 
 import numpy as np
 import pytensor.tensor as pt
+from pytensor.compile.builders import OpFromGraph
+from pytensor.graph.basic import Constant
 from pytensor.graph.replace import graph_replace, vectorize_graph
+from pytensor.graph.rewriting.basic import node_rewriter
+from pytensor.graph.traversal import graph_inputs, io_toposort
+from pytensor.scalar import Abs, Neg, Softplus
+from pytensor.tensor.elemwise import Elemwise
 
 from pymc_mcssvi.families.gaussian import compiled_products_active
 
@@ -131,10 +137,6 @@ def expected_derivatives(
         w = pt.constant(w)
 
         def average(v):
-            if compiled_products_active():
-                # a weighted sum XLA fuses with the nodes' values (a dot would read
-                # them back from memory: 12 x 20 x 14,860 arrays of InstEval's PMF)
-                return pt.sum(w.reshape((-1,) + (1,) * (v.ndim - 1)) * v, axis=0)
             return pt.tensordot(w, v, axes=[[0], [0]])
 
     elif method == "mc":
@@ -146,6 +148,11 @@ def expected_derivatives(
 
     else:
         raise ValueError(f"method must be 'quadrature' or 'mc', got {method!r}")
+    if method == "quadrature" and not stein and compiled_products_active():
+        out = _node_by_node(graphs, placeholder, mean, sd, int(n_points))
+        if not need_hessian:
+            out.append(None)
+        return tuple(out)
     points = mean[None] + sd[None] * z
     vals = vectorize_graph(list(graphs), {placeholder: points})
     if stein:
@@ -155,6 +162,41 @@ def expected_derivatives(
     if not need_hessian:
         out.append(None)
     return tuple(out)
+
+
+def _node_by_node(graphs, placeholder, mean, sd, n_points):
+    """Quadrature of ``graphs`` a node at a time: ``sum_q w_q graphs(mean + sd z_q)``.
+
+    For a JAX step. The stacked form (all nodes on a leading axis, then a weighted
+    sum) materializes every intermediate at ``(nodes, ...)`` and is bound by memory
+    traffic there: InstEval binary PMF (12 nodes x 20 sigma points x 14,860
+    observations per iteration), 62 of a 117 ms step. Here every node's values come
+    from one :class:`~pytensor.compile.builders.OpFromGraph` (the vectorized
+    graphs, rewritten once) applied to that node's points, and XLA fuses the
+    weighted sum with them into one pass over ``(mean, sd)``: the two alternating
+    iterations 56 / 113 -> 44 / 82 ms, for 1 s more compilation. The arrays the
+    graphs read besides the points (data gathered at the subsampled observations)
+    are the op's inputs, computed once.
+    """
+    f = pt.tensor("f", dtype=mean.dtype, shape=mean.type.shape)
+    inner = list(vectorize_graph(list(graphs), {placeholder: f}))
+    dependent, extra = {f}, []
+    for node in io_toposort(list(graph_inputs(inner)), inner):
+        if not any(i in dependent for i in node.inputs):
+            continue
+        dependent.update(node.outputs)
+        for i in node.inputs:
+            if i not in dependent and not isinstance(i, Constant) and i not in extra:
+                extra.append(i)
+    values = OpFromGraph([f, *extra], inner, inline=False, name="quadrature_node")
+    zs, ws = gauss_hermite(n_points)
+    out = None
+    for zq, wq in zip(zs, ws, strict=True):
+        vals = values(mean + sd * float(zq), *extra)
+        vals = list(vals) if isinstance(vals, list | tuple) else [vals]
+        terms = [float(wq) * v for v in vals]
+        out = terms if out is None else [o + t for o, t in zip(out, terms, strict=True)]
+    return out
 
 
 def expected_pair_derivatives(logp, placeholders, moments, n_points: int = 9):
@@ -241,3 +283,38 @@ def expected_standard_normal(mean, var):
     """
     T = -0.5 * (pt.square(mean) + var) - 0.5 * np.log(2 * np.pi)
     return T, -mean, -pt.ones_like(mean)
+
+
+def _scalar_op(var, cls):
+    node = var.owner
+    return node is not None and isinstance(node.op, Elemwise) and isinstance(node.op.scalar_op, cls)
+
+
+@node_rewriter([Elemwise])
+def softplus_of_nonpositive(fgraph, node):
+    """``softplus(-|x|)`` -> ``log1p(exp(-|x|))``: exact and stable for a non-positive
+    argument, and the ``exp(-|x|)`` is the one the logistic's derivatives use.
+
+    PyTensor's JAX softplus evaluates every branch of its piecewise form (two
+    exponentials and a ``log1p`` per element). Logistic likelihoods (PyMC's
+    ``Bernoulli(logit_p=)``) call it at every quadrature node of every
+    observation. Registered in the JAX step's mode.
+
+    Examples
+    --------
+    >>> import pytensor, pytensor.tensor as pt
+    >>> from pytensor.graph.rewriting.basic import in2out
+    >>> x = pt.vector("x")
+    >>> mode = pytensor.compile.get_mode("FAST_RUN").register((in2out(softplus_of_nonpositive), 59))
+    >>> fn = pytensor.function([x], pt.softplus(-pt.abs(x)), mode=mode)
+    >>> any(type(n.op.scalar_op).__name__ == "Softplus" for n in fn.maker.fgraph.apply_nodes)
+    False
+    >>> float(fn([2.0])[0]), float(np.log1p(np.exp(-2.0)))
+    (0.1269280110429725, 0.1269280110429725)
+    """
+    if not isinstance(node.op.scalar_op, Softplus):
+        return None
+    (x,) = node.inputs
+    if not (_scalar_op(x, Neg) and _scalar_op(x.owner.inputs[0], Abs)):
+        return None
+    return [pt.log1p(pt.exp(x))]

@@ -90,6 +90,7 @@ from pymc_mcssvi.algorithms.schedules import make_schedule
 from pymc_mcssvi.algorithms.sdsvi import SDSVIStep
 from pymc_mcssvi.bounds.structured import StructuredBound
 from pymc_mcssvi.estimators.general import flat_indices
+from pymc_mcssvi.estimators.quadrature import softplus_of_nonpositive
 from pymc_mcssvi.exceptions import DivergenceError
 from pymc_mcssvi.families.batched import register_jax_dispatch
 from pymc_mcssvi.families.gaussian import GaussianBlocks, compiled_products
@@ -1137,7 +1138,7 @@ class StructuredVI(Inference):
             register_jax_dispatch()
             # static split positions for JAX (sigma-point vectorized gradients of joins)
             ck["mode"] = get_mode(mode if mode is not None else "JAX").register(
-                (in2out(unbatch_constant_split), 59)
+                (in2out(unbatch_constant_split), 59), (in2out(softplus_of_nonpositive), 59.1)
             )
         with self.model, warnings.catch_warnings():
             # JAX steps draw from copies of their generators (Monte Carlo draws): expected.

@@ -94,3 +94,43 @@ def test_monte_carlo_option_is_unbiased():
     # 200k unseeded draws: standard errors ~1% of alpha and beta; 5% is ~5 standard errors
     for q, mc in [(T_q, T_mc), (a_q, a_mc), (b_q, b_mc)]:
         np.testing.assert_allclose(mc.eval(), q.eval(), rtol=0.05)
+
+
+@pytest.mark.parametrize("name", ["bernoulli_logit", "poisson_log", "studentt"])
+def test_node_by_node_quadrature_of_a_jax_step_is_the_stacked_one(name):
+    """A graph built for a JAX step sums the quadrature a node at a time (an
+    ``OpFromGraph`` per node, fused by XLA); the numbers are the stacked form's, with
+    batch axes (sigma points) and a data array the points' values read, and in the
+    tails (the softplus of a non-positive argument rewritten to log1p(exp))."""
+    pytest.importorskip("jax")
+    import pytensor
+    from pytensor.graph.rewriting.basic import in2out
+
+    from pymc_mcssvi.estimators.quadrature import softplus_of_nonpositive
+    from pymc_mcssvi.families.gaussian import compiled_products
+
+    rng = np.random.default_rng(0)
+    n = 7
+    f = pt.vector("f")
+    y = np.abs(rng.normal(size=n)).round(0) if name != "bernoulli_logit" else rng.integers(0, 2, n)
+    from pymc_mcssvi.recognize.stabilize import stable_logp
+
+    # the plugin's likelihood terms are stabilized so (recognize.likelihood)
+    logp = stable_logp(pm.logp(LIKELIHOODS[name](f), y))
+    mean_value = rng.normal(0.0, 3.0, size=(4, n)) * np.array([[1], [1], [1], [100.0]])
+    var_value = rng.uniform(0.01, 4.0, size=(4, n))
+    mean, var = pt.matrix("mean"), pt.matrix("var")
+    stacked = expected_derivatives(logp, f, mean, var, n_points=12)
+    with compiled_products():
+        by_node = expected_derivatives(logp, f, mean, var, n_points=12)
+    from pytensor.compile.builders import OpFromGraph
+    from pytensor.graph.traversal import applys_between
+
+    ops = [a.op for a in applys_between([mean, var], by_node)]
+    assert sum(isinstance(op, OpFromGraph) for op in ops) == 12
+    mode = pytensor.compile.get_mode("JAX").register((in2out(softplus_of_nonpositive), 59.1))
+    fn = pytensor.function([mean, var], [*stacked, *by_node], mode=mode)
+    out = fn(mean_value, var_value)
+    for a, b in zip(out[:3], out[3:], strict=True):
+        assert np.all(np.isfinite(b))
+        np.testing.assert_allclose(b, a, rtol=1e-10, atol=1e-12)

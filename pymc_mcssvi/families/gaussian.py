@@ -119,11 +119,14 @@ _MATMUL_PRODUCTS = contextvars.ContextVar("matmul_products", default=False)
 
 @contextlib.contextmanager
 def compiled_products():
-    """Build stacked products of small blocks as batched ``@`` (for a JAX step).
+    """Build graphs in the forms XLA runs fastest (for a JAX step).
 
-    XLA turns a batched ``@`` into one batched dot, and the broadcast form of
-    :func:`bmm` (best for NumPy's loops) into a reduction over ``K^3``
-    temporaries: for ``(14860, 10, 10)`` blocks 1.2 ms against 8.5 ms (JAX on CPU).
+    Stacked products of small blocks become batched ``@``: XLA turns that into
+    one batched dot, and the broadcast form of :func:`bmm` (best for NumPy's
+    loops) into a reduction over ``K^3`` temporaries (for ``(14860, 10, 10)``
+    blocks 1.2 ms against 8.5 ms, JAX on CPU). One-dimensional quadratures
+    (:func:`~pymc_mcssvi.estimators.quadrature.expected_derivatives`) are summed
+    a node at a time.
 
     Examples
     --------

@@ -997,7 +997,8 @@ def row_layout(rows, R, seed=0):
 def row_subsample_ids(layout, B, rng):
     """The plugin's per-row subsampling in NumPy: for every row at most ``B`` of its observations
     (a window of ``B`` consecutive ones, cyclically, at a uniformly random start in the row's
-    shuffled order; padding last), weights ``|O_j| / |M_j|`` (0 for padding).
+    shuffled order; padding last; the plugin's step advances the start by ``B`` instead, at the
+    same cost), weights ``|O_j| / |M_j|`` (0 for padding).
 
     Returns ``(obs, weight)`` of length ``rows * min(B, max count)``, grouped by row."""
     order, counts, starts = layout
@@ -1976,8 +1977,9 @@ def render(results, plot_rel=PLOT_REL):
             "`g = abar m + A (E^T alpha / a)` and `H = bbar m m^T + m w^T + w m^T + A diag(gamma) A^T`, per-row sums "
             "(`np.add.at`, `np.bincount` per entry, or a reshape-sum when subsampled observations come grouped by row), "
             "the natural precision step (batched `np.linalg.cholesky`), the mean step (batched `np.linalg.solve`) and "
-            "the KL; with B, the plugin's per-row subsampling (a window of B consecutive observations at a random "
-            "start in each row's once-shuffled order, padding to min(B, largest row)). One NumPy sweep moves both "
+            "the KL; with B, the plugin's per-row subsampling (a window of B consecutive observations in each row's "
+            "once-shuffled order, padding to min(B, largest row); the reference draws each window's start afresh, "
+            "the plugin advances it by B per step, at the same cost). One NumPy sweep moves both "
             "factors; the plugin moves one factor per iteration (in full batch it evaluates both factors' "
             "expectations in every iteration, with B only those of the factor it moves), so a sweep over all rows "
             "is two plugin iterations. " + chk_txt

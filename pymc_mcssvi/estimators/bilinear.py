@@ -109,8 +109,8 @@ class BilinearEstimator:
     seed : int
     row_subsample : int, optional
         At most this many observations per row of the factor being updated, a
-        fresh random subset in every iteration (module docstring). ``None`` uses
-        every observation.
+        window that moves on through the row's observations at each step of the
+        factor (module docstring). ``None`` uses every observation.
     affine_geometries : list, optional
         Per bilinear term, the :class:`~pymc_mcssvi.estimators.predictor.PredictorGeometry`
         of the terms added to its product (:attr:`BilinearTerm.affine`), or

@@ -80,8 +80,9 @@ class StepKernel:
         self.base_g = [_shared(np.zeros_like(m), f"base_g_{s}") for s, m in enumerate(init_means)]
         self.base_H = [_shared(np.zeros_like(f), f"base_H_{s}") for s, f in enumerate(init_factors)]
         self.base_bound = _shared(-np.inf, "base_bound")
-        n_phases = len(getattr(bound, "phase_segments", [None]))
-        self.base_phase = _shared(np.full(n_phases, -np.inf), "base_phase_bounds")
+        #: Phases of a step: the factors of a matrix factorization move in turn.
+        self.n_phases = len(getattr(bound, "phase_segments", [None]))
+        self.base_phase = _shared(np.full(self.n_phases, -np.inf), "base_phase_bounds")
         self.phase = pytensor.shared(np.int64(0), name="phase")
         self.scale = _shared(schedule.initial_scale(), "step_scale")
         self.t = _shared(0.0, "accepted_steps")
@@ -94,7 +95,7 @@ class StepKernel:
             self.hypers is not None
             and self.hypers.mode == "meanfield"
             and self.monotone
-            and n_phases == 1
+            and self.n_phases == 1
             and algorithm.parameterization == "precision"
             and algorithm.newton_mean
             and self.hypers.spec.size <= MAX_COUPLED_HYPERS
@@ -114,7 +115,7 @@ class StepKernel:
         # Arrow coupling of the head segment (fixed effects) with the others.
         head = getattr(bound, "arrow_head", None)
         self.arrow_head = (
-            head if (n_phases == 1 and algorithm.parameterization == "precision") else None
+            head if (self.n_phases == 1 and algorithm.parameterization == "precision") else None
         )
         self.base_X, self.arrow_G, self.arrow_LS = [], [], None
         if self.arrow_head is not None:
@@ -163,12 +164,11 @@ class StepKernel:
         their sigma-point average would batch it (a batched conditional
         computes both sides).
         """
-        n_phases = len(getattr(self.bound, "phase_segments", [None]))
-        if n_phases < 2 or self.monotone:
+        if self.n_phases < 2 or self.monotone:
             return None
         if self.hypers is not None and self.bound.bilinear.depends_on(self.hypers.spec.values):
             return None
-        return (self.phase + 1) % n_phases
+        return (self.phase + 1) % self.n_phases
 
     def build(self):
         """Outputs ``[base_bound, cand_bound, accepted, rho]`` and the shared-variable updates.
@@ -181,8 +181,7 @@ class StepKernel:
         cand = [GaussianBlocks(m, f) for m, f in zip(self.cand_mean, self.cand_factor, strict=True)]
         # The factors move in turn: a factor's subsample windows advance once per
         # step of that factor, whether or not the other side is computed too.
-        n_turns = len(getattr(self.bound, "phase_segments", [None]))
-        turns = pt.cast(self.t, "int64") // n_turns
+        turns = pt.cast(self.t, "int64") // self.n_phases
         ev = self.bound.evaluate(cand, phase=self._next_phase_only(), step=turns)
         nph = len(ev.phase_values)
         outs = [ev.value, *ev.phase_values, *ev.grads, *ev.hessians]

@@ -112,9 +112,9 @@ def _stacked(x) -> bool:
     return x.ndim == 3 and (R is None or R > 1)
 
 
-#: Whether :func:`bmm` builds batched ``@`` for small blocks too (see
+#: Whether graphs are built in the forms of a JAX step (see
 #: :func:`compiled_products`).
-_MATMUL_PRODUCTS = contextvars.ContextVar("matmul_products", default=False)
+_COMPILED_FORMS = contextvars.ContextVar("compiled_forms", default=False)
 
 
 @contextlib.contextmanager
@@ -137,16 +137,16 @@ def compiled_products():
     >>> type(prod.owner.op).__name__
     'Blockwise'
     """
-    token = _MATMUL_PRODUCTS.set(True)
+    token = _COMPILED_FORMS.set(True)
     try:
         yield
     finally:
-        _MATMUL_PRODUCTS.reset(token)
+        _COMPILED_FORMS.reset(token)
 
 
 def compiled_products_active() -> bool:
     """Whether graphs are being built for a JAX step (:func:`compiled_products`)."""
-    return _MATMUL_PRODUCTS.get()
+    return _COMPILED_FORMS.get()
 
 
 def bmm(A, B):
@@ -160,7 +160,7 @@ def bmm(A, B):
     """
     if (
         (A.ndim <= 2 and B.ndim <= 2)
-        or _MATMUL_PRODUCTS.get()
+        or _COMPILED_FORMS.get()
         or not _broadcast_small(A.type.shape[-1], B.type.shape[-1])
     ):
         return A @ B

@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint docs bench notebooks clean
+.PHONY: demo test test-slow test-all lint docs bench notebooks clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 12), f"Python 3.12+ needed, got {sys.version}"'
@@ -16,8 +16,17 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/python -m pymc_mcssvi.demo
 
+# The fast suite (6 minutes or less on 2 cores). Tests marked `slow` (NUTS comparisons,
+# larger fits, the notebooks) run with `make test-slow`; `make test-all` runs both.
+PYTEST := $(BIN)/python -m pytest -q -x -n auto --durations=15
+
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -x -n auto --durations=15 --doctest-modules pymc_mcssvi tests
+	$(PYTEST) -m "not slow" --doctest-modules pymc_mcssvi tests
+
+test-slow: $(STAMP)
+	$(PYTEST) -m slow tests
+
+test-all: test test-slow
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -89,16 +89,25 @@ def model_fingerprint(model, *settings) -> str:
     return h.hexdigest()
 
 
-def nuts_draws(model, key, draws=2500, tune=1000, seed=1):
-    """Posterior draws by NUTS (``NUTS_CHAINS`` chains of ``draws``), cached per session
-    and stored in ``tests/references/nuts/<key>.npz``.
+class StaleReferenceError(AssertionError):
+    """A stored NUTS reference is missing or was drawn for another model or settings."""
 
-    The stored draws are used only while the model and the sampler's settings are the
-    ones they were drawn for (:func:`model_fingerprint`); otherwise NUTS runs.
-    ``MCSSVI_NUTS_REFERENCES=write`` writes the draws of every NUTS run there (how the
-    files are made: run the tests with it after changing a model), ``=off`` ignores
-    them. The files hold a thinned copy of the draws, 16-bit coded
-    (:func:`store_reference`).
+
+#: How a missing or stale reference is regenerated (NUTS, compiled with numba).
+REGENERATE = f"{REFERENCE_ENV}=write make test-all"
+
+
+def nuts_draws(model, key, draws=2500, tune=1000, seed=1):
+    """Posterior draws by NUTS (``NUTS_CHAINS`` chains of ``draws``), read from
+    ``tests/references/nuts/<key>.npz`` and cached per session.
+
+    A stored reference is used only while the model and the sampler's settings are the
+    ones it was drawn for (:func:`model_fingerprint`). A missing or stale one fails the
+    test with :class:`StaleReferenceError`, which names the command that regenerates
+    it: ``MCSSVI_NUTS_REFERENCES=write`` runs NUTS and writes the draws of every
+    reference it needs (how the files are made after changing a model), ``=off``
+    ignores the files and always runs NUTS. The files hold a thinned copy of the draws,
+    16-bit coded (:func:`store_reference`).
 
     PyMC's sampler on the numba backend, not the suite's ``FAST_COMPILE``: on a
     42-dimensional logistic GLMM 2 x 1000 draws took 188 s under ``FAST_COMPILE``
@@ -114,14 +123,26 @@ def nuts_draws(model, key, draws=2500, tune=1000, seed=1):
     if key in _NUTS_CACHE:
         return _NUTS_CACHE[key]
     mode = os.environ.get(REFERENCE_ENV, "read")
+    if mode not in ("read", "write", "off"):
+        raise ValueError(f"{REFERENCE_ENV} must be 'read', 'write' or 'off', got {mode!r}")
     path = REFERENCE_DIR / f"{key}.npz"
     if mode != "off":
         fingerprint = model_fingerprint(model, key, draws, tune, seed, NUTS_CHAINS)
-    if mode == "read" and path.exists():
+    if mode == "read":
+        if not path.exists():
+            raise StaleReferenceError(
+                f"no stored NUTS reference {path.relative_to(REFERENCE_DIR.parents[2])}: "
+                f"write it with `{REGENERATE}`"
+            )
         with np.load(path) as stored:
-            if str(stored["__fingerprint__"]) == fingerprint:
-                _NUTS_CACHE[key] = StoredDraws(decoded(stored))
-                return _NUTS_CACHE[key]
+            if str(stored["__fingerprint__"]) != fingerprint:
+                raise StaleReferenceError(
+                    f"the stored NUTS reference {path.relative_to(REFERENCE_DIR.parents[2])} "
+                    "was drawn for another model, data or sampler settings: regenerate it "
+                    f"with `{REGENERATE}`"
+                )
+            _NUTS_CACHE[key] = StoredDraws(decoded(stored))
+            return _NUTS_CACHE[key]
     with model:
         idata = pm.sample(
             draws,

@@ -163,6 +163,7 @@ def test_cross_hessian_matches_finite_differences(head, rng):
     np.testing.assert_allclose(X, np.stack(fd, axis=-1), rtol=1e-5, atol=1e-8)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("hyper", ["meanfield", "point"])
 def test_block_layout_with_arrow_matches_the_full_covariance_fit(hyper, rng):
     """Poisson GLMM with non-centered intercepts and slopes: the group blocks' own segment plus

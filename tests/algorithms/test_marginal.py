@@ -233,6 +233,7 @@ def _exact_mean_of_scale(g, x, y, G):
     return float(_exact_scale_posterior(g, x, y, G, ha) @ np.exp(ha))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("centered", [True, False], ids=["centered", "noncentered"])
 def test_group_scale_mean_against_the_exact_marginal(centered, rng):
     """Gaussian LMM with few groups and a small group scale: the scale's posterior mean is
@@ -290,6 +291,7 @@ def _exact_moments_given_grid(g, x, y, G):
     return np.sqrt(w @ V + w @ (M - mean) ** 2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("centered", [True, False], ids=["centered", "noncentered"])
 def test_effect_sds_with_few_groups_against_the_exact_posterior(centered):
     """Six groups, so the group scale is uncertain: q(w)'s own covariance (prior precision
@@ -358,6 +360,7 @@ def test_noncentered_poisson_effects_follow_their_scale_against_nuts():
         assert np.all(np.abs(ratio - 1) < 0.12), (name, np.round(ratio, 3))
 
 
+@pytest.mark.slow
 def test_few_groups_group_effects_against_nuts():
     """Three groups, 30 rows each, non-centered ``a = mu_a + sigma_a z``: each ``a_g`` is
     fixed by its rows while ``mu_a`` and ``z`` lie on a ridge that turns with ``sigma_a``.
@@ -424,6 +427,7 @@ def _nested_crossed_poisson(rng, locations=15, per_location=2, rows=3, centered=
     return m, brood, loc, x
 
 
+@pytest.mark.slow
 def test_view_noise_keeps_the_data_fixed_direction_of_crossed_noncentered_effects(monkeypatch):
     """The draws' noise comes from q(w | h)'s covariance averaged over the profile points.
     Averaged in ``z``, where the direction the data fix (``sb zb + sl zl``) turns with the
@@ -482,6 +486,7 @@ def test_view_noise_keeps_the_data_fixed_direction_of_crossed_noncentered_effect
     assert np.all(np.abs(z_err) < 0.15), np.round(np.abs(z_err).max(), 3)
 
 
+@pytest.mark.slow
 def test_confounded_noncentered_effects_against_nuts():
     """One brood per location: the brood and location effects are confounded and only about
     ``sb^2 + sl^2`` is identified, so q(h) is wide along ``log sb - log sl``. There the
@@ -523,6 +528,7 @@ def _view_and_refitted_draws(monkeypatch, approx, name, n_view, n_exact):
     return view, exact
 
 
+@pytest.mark.slow
 def test_view_follows_an_hsgp_scale_that_is_not_linear_in_h(monkeypatch):
     """An HSGP's basis coefficients enter the predictor scaled by the square root of the
     spectral density, a non-linear function of ``log ell`` and ``log eta``: the log scales
@@ -576,6 +582,7 @@ def _spline_gamm():
     return m
 
 
+@pytest.mark.slow
 def test_data_coordinate_scales_are_evaluated_in_bounded_batches(monkeypatch):
     """The scales of the data's coordinates on the grid of q(h)'s nodes: for this spline
     each point's evaluation holds about 30 MB, and all 730 points of the three-axis grid
@@ -600,6 +607,7 @@ def test_data_coordinate_scales_are_evaluated_in_bounded_batches(monkeypatch):
     assert np.all(np.isfinite(post["f"].values))
 
 
+@pytest.mark.slow
 def test_prior_held_hsgp_coefficients_stay_in_their_own_coordinates():
     """High-frequency HSGP coefficients: their columns scale with the spectral density
     over orders of magnitude along q(h)'s profile while their N(0, 1) prior holds them
@@ -663,6 +671,7 @@ def test_view_noise_scaled_per_coordinate_only_where_that_fits_the_refits():
     np.testing.assert_allclose(ratio[0, at, 0] - ratio[0, centre, 0], [0.4, -0.6, 0.0], atol=1e-12)
 
 
+@pytest.mark.slow
 def test_view_draws_of_crossed_centered_effects_with_an_interaction(monkeypatch):
     """Crossed centered effects and their interaction, ``mu + a[i] + b[j] + ab[i, j]``: the
     data fix each cell's sum, while its parts trade off differently at each scale. The

@@ -18,6 +18,7 @@ def _exact_scale_marginal(g, x, y, G):
     return float(p @ np.exp(ha)), float(np.exp(np.interp(0.05, np.cumsum(p), ha)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("centered", [True, False], ids=["centered", "noncentered"])
 def test_group_scale_left_tail_against_the_exact_marginal(centered, monkeypatch):
     """Gaussian LMM, 10 groups, a small group scale: the exact posterior of ``sd_a`` has a

@@ -150,6 +150,7 @@ def test_rayleigh_scale_must_be_positive():
             pymc_mcssvi.MCSSVI()
 
 
+@pytest.mark.slow
 def test_gme_builder_and_optimal_beats_jensen():
     rng = np.random.default_rng(4)
     X = rng.normal(size=(150, 2))
@@ -342,6 +343,7 @@ def _noncentred_and_centred(kind, deterministic=False):
     return nc, c
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("kind", "deterministic"), [("binomial", False), ("normal", True)])
 def test_noncentred_local_is_integrated_as_the_centred_one(kind, deterministic):
     """``mu + sigma * z`` is the centred local ``theta ~ N(mu, sigma)`` (a change of
@@ -367,6 +369,7 @@ def test_noncentred_local_is_integrated_as_the_centred_one(kind, deterministic):
     np.testing.assert_allclose(q_nc.hist[-1], q_c.hist[-1], rtol=1e-9)
 
 
+@pytest.mark.slow
 def test_local_scaled_by_a_global_or_read_twice_is_not_recentred():
     """The change of variables needs the scale free of the Gaussian globals (``beta * z``
     with ``beta`` Gaussian is a product of two unknowns), ``z`` read through the one

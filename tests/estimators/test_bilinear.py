@@ -71,6 +71,7 @@ def _predictive_gap(model, method, predictive, key):
     return np.abs(predictive(approx.sample(4000, random_seed=2)) - ref)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["mcssvi", "hmcssvi", "sdsvi"])
 def test_binary_pmf_predictive_probabilities_close_to_nuts(method):
     """Held-out predictive probabilities of the paper's factorized q against NUTS.
@@ -101,6 +102,7 @@ def test_binary_pmf_predictive_probabilities_close_to_nuts(method):
     assert diff.max() < 0.09 and diff.mean() < 0.05, (diff.max(), diff.mean())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "likelihood", ["bernoulli", "poisson", "ordered_logistic", "ordered_probit"]
 )
@@ -203,6 +205,7 @@ def pt_const(x):
     return pt.constant(np.asarray(x, dtype="float64"))
 
 
+@pytest.mark.slow
 def test_row_subsampled_fit_reaches_the_full_batch_optimum(rng):
     """Measured: max |difference| of the predictive probabilities 0.038, mean 0.010."""
     R, C, K = 15, 12, 2
@@ -261,6 +264,7 @@ def _step_has_ifelse(inf):
     return any(getattr(n.op, "name", None) == "bilinear_side" for n in nodes)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("likelihood", ["bernoulli", "ordinal"])
 def test_stochastic_steps_compute_only_the_moving_factor(rng, monkeypatch, likelihood):
     """With row subsampling every finite candidate is accepted, so a step needs the
@@ -298,6 +302,7 @@ def test_stochastic_steps_compute_only_the_moving_factor(rng, monkeypatch, likel
         assert not _step_has_ifelse(learned)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("likelihood", ["normal", "bernoulli"])
 def test_einsum_and_batched_matmul_spellings_fit_like_the_sum(rng, likelihood):
     """``einsum("nk,nk->n", U[s], V[d])`` and ``(U[s][:, None] @ V[d][..., None])[:, 0, 0]``
@@ -406,6 +411,7 @@ def test_terms_added_to_the_product_take_the_exact_conditional_step(rng):
         np.testing.assert_allclose(got_mu[i], np.linalg.solve(Pi, bi), rtol=1e-9, atol=1e-12)
 
 
+@pytest.mark.slow
 def test_row_subsampling_is_unbiased_with_terms_added_to_the_product(rng):
     """The biases' g and H come from each side's subset of observations, scattered back
     to all observations with the subset's weights: unbiased like the factors'."""
@@ -479,6 +485,7 @@ def test_binary_pmf_with_biases_predictive_probabilities_close_to_nuts():
     assert diff.max() < 0.09 and diff.mean() < 0.05, (diff.max(), diff.mean())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spelling", ["sum", "einsum"])
 def test_ordered_likelihood_with_a_bias_is_bilinear_plus_affine(rng, spelling):
     """PyMC's ordered likelihoods add a trailing axis to ``eta`` and its rewrites push

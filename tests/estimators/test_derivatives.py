@@ -173,6 +173,7 @@ def test_sensitivities_are_the_design_column_norms(rng, cov):
             np.testing.assert_allclose(vals.reshape(want[gl.name].shape), want[gl.name], rtol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cov", ["full", "block"])
 def test_colored_hessian_of_row_separable_general_term(rng, cov):
     """A correlated topic model's likelihood ``softmax(eta[d]) @ beta`` (multinomial,
@@ -251,6 +252,7 @@ def _gathered_models(rng):
     return {"two_pl": two_pl, "paired": paired, "curves": curves}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cov", ["full", "block", "diag"])
 @pytest.mark.parametrize("name", ["two_pl", "paired", "curves"])
 def test_per_observation_hessian_is_the_colored_one(rng, name, cov):

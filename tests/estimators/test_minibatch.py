@@ -2,6 +2,7 @@
 
 import numpy as np
 import pymc as pm
+import pytest
 from pymc.pytensorf import compile as pm_compile
 
 import pymc_mcssvi
@@ -19,6 +20,7 @@ def _estimator(model, m, L):
         return pm_compile([], [ev.expected_loglik, ev.grads[0], ev.hessians[0]], random_seed=1)
 
 
+@pytest.mark.slow
 def test_minibatch_g_H_and_bound_are_unbiased():
     rng = np.random.default_rng(7)
     N, D, B = 400, 3, 40
@@ -44,6 +46,7 @@ def test_minibatch_g_H_and_bound_are_unbiased():
         assert not np.allclose(vals[0], vals[1])  # really random batches
 
 
+@pytest.mark.slow
 def test_minibatch_fit_ends_near_the_full_batch_fit():
     """Batches of 200 of 4,000 rows (a logistic regression): the last iterate of the
     natural-gradient steps carries their noise, and the default stopping rule (bound

@@ -6,6 +6,7 @@ import numpy as np
 import pymc as pm
 import pytensor
 import pytensor.tensor as pt
+import pytest
 
 from pymc_mcssvi import describe
 from pymc_mcssvi.bounds.structured import StructuredBound
@@ -109,6 +110,7 @@ def test_pair_value_is_the_closed_form_expectation_under_q():
     np.testing.assert_allclose(got, lik.sum() + prior.sum(), rtol=1e-7)
 
 
+@pytest.mark.slow
 def test_pair_g_h_and_arrow_crosses_are_derivatives_of_the_expected_log_joint():
     """For a Gaussian q, ``dE/dm = E[grad]`` and ``d2E/dm2 = E[Hessian]``: the blocks
     of ``H`` and the crosses with the arrow's head are second derivatives of the

@@ -96,6 +96,7 @@ def test_monte_carlo_option_is_unbiased():
         np.testing.assert_allclose(mc.eval(), q.eval(), rtol=0.05)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["bernoulli_logit", "poisson_log", "studentt"])
 def test_node_by_node_quadrature_of_a_jax_step_is_the_stacked_one(name):
     """A graph built for a JAX step sums the quadrature a node at a time (an

@@ -70,6 +70,7 @@ def gme():
     return m
 
 
+@pytest.mark.slow
 def test_bound_gradient_in_rayleigh_scale_matches_finite_differences(gme):
     with gme:
         inf = pymc_mcssvi.MCSSVI()
@@ -98,6 +99,7 @@ def test_bound_gradient_in_rayleigh_scale_matches_finite_differences(gme):
     del value
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["mcssvi", "hmcssvi", "sdsvi"])
 def test_all_algorithms_reach_the_same_gme_optimum(gme, method):
     with gme:

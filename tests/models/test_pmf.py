@@ -152,6 +152,7 @@ DENSE_SPELLINGS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spelling", sorted(DENSE_SPELLINGS))
 def test_dense_product_of_a_fully_observed_matrix_is_the_factorization(spelling, rng):
     """``U @ V.T + row + col`` over an (R, C) observed matrix (probabilistic PCA's
@@ -243,6 +244,7 @@ def test_factor_stored_by_columns_reads_back_in_its_own_shape(rng):
     np.testing.assert_allclose(products[0], products[1], atol=0.1)
 
 
+@pytest.mark.slow
 def test_biases_of_a_large_factorization_keep_their_joint_covariance():
     """``mu + a[u] + b[i] + (U[u] * V[i]).sum(-1)``: the intercept and the biases share
     one full covariance however many dimensions the factors' row blocks add (1860 of

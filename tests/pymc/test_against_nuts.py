@@ -211,6 +211,7 @@ def test_ordered_logistic_with_learned_cutpoints():
     _compare(model, "ordered_logistic", ["w"], "hmcssvi", mean_tol=0.15, sd_tol=0.15)
 
 
+@pytest.mark.slow
 def test_skew_normal_with_learned_skewness():
     """``pm.SkewNormal`` with learned ``sigma`` and ``alpha`` (hyperparameters): its
     ``log(1 + erf(alpha z / sqrt 2))`` had 0/0 derivatives at the Gauss-Hermite nodes
@@ -255,6 +256,7 @@ def test_default_start_that_leaves_the_support_is_narrowed(kind, caplog):
     assert np.isfinite(approx.hist).all() and approx.n_iter == len(approx.hist)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("prior", ["studentt", "laplace", "gumbel", "skewstudentt"])
 def test_non_gaussian_priors_on_effects(prior):
     """Robust random effects ``a ~ StudentT(4, 0, sigma_a)`` and Laplace (lasso-like)
@@ -335,6 +337,7 @@ def _hsgp_model(x, parametrization):
     return model
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("parametrization", ["noncentered", "centered"])
 def test_hsgp_latent_function_with_a_bernoulli_likelihood(parametrization):
     """A Hilbert-space GP (``pm.gp.HSGP``) under a logit link: its basis coefficients
@@ -361,6 +364,7 @@ def test_hsgp_latent_function_with_a_bernoulli_likelihood(parametrization):
     assert np.all(np.abs(ratio - 1) < 0.2), np.round([ratio.min(), ratio.max()], 3)
 
 
+@pytest.mark.slow
 def test_loading_on_shared_effects():
     """Two outcomes share clinic effects ``u = s_u * z``, the second through a loading
     ``lam * u[g]`` (a Normal). ``lam`` is read as a hyperparameter, as a scale is, which
@@ -443,6 +447,7 @@ def _sparse_gp_model(seed=31, n=120, m=10):
     return model
 
 
+@pytest.mark.slow
 def test_sparse_gp_projection_on_inducing_points():
     """A sparse GP as users write it (the paper's family): whitened inducing values
     ``u = L(ls, eta) v`` (``pm.gp.Latent.prior``) and ``f = K_fu @ solve(K_uu, u)``.
@@ -492,6 +497,7 @@ def test_scale_per_group_among_many_hyperparameters():
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("prior", ["icar", "car"])
 def test_spatial_effects_with_learned_scales(prior):
     """Disease mapping as in PyMC's spatial examples: Poisson counts with expected
@@ -569,6 +575,7 @@ def test_group_scale_on_the_log_scale_matches_nuts():
     assert recognize(model).observed["y"] == "dense affine + gather"
 
 
+@pytest.mark.slow
 def test_link_applied_before_the_gather_reads_as_a_gather_glm():
     """``invlogit(mu + sd * z)[group]``: group-level probabilities indexed per
     observation (the baseball examples). The gather is moved below the link, and the
@@ -601,6 +608,7 @@ def test_link_applied_before_the_gather_reads_as_a_gather_glm():
     assert recognize(model).observed["y"] == "gather"
 
 
+@pytest.mark.slow
 def test_hierarchical_decay_curves():
     """Per-subject log-parameters of a one-compartment decay, non-centered: the
     intercept and the log rate are two affine predictors. On the general path (Monte
@@ -648,6 +656,7 @@ def test_weibull_scale_prior_is_a_hyperparameter():
     _compare(model, "weibull_scale", ["a", "b", "s"], "hmcssvi")
 
 
+@pytest.mark.slow
 def test_mvnormal_likelihood_with_lkj_covariance_is_whitened():
     """A multivariate regression, ``MvNormal(alpha + X @ beta, chol=L)`` with a learned
     ``pm.LKJCholeskyCov``: the likelihood is read as whitened residuals
@@ -717,6 +726,7 @@ def test_local_shrinkage_scales_turn_the_linear_response_off():
     assert hetero.local_scale_hypers() == [] and hetero.linear_response
 
 
+@pytest.mark.slow
 def test_five_hyperparameter_coordinates_get_the_skewed_marginal():
     """lme4's ``y ~ x + (x | a) + (1 | b) + (1 | c)`` with independent terms (bambi's
     default): four group scales and the residual sd. Up to four coordinates got the
@@ -788,6 +798,7 @@ def _distributional(kind):
     return model, names
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["normal", "negative_binomial"])
 def test_likelihood_with_two_regressions_matches_nuts(kind):
     """Mean and scale (or dispersion) both affine in Gaussian globals: 2-D quadrature

@@ -254,6 +254,7 @@ def _glmm_and_gme():
     return {"glmm": glmm, "gme": pymc_mcssvi.models.gme(X, y, prior_sd=1.0, tau=5.0)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", ["glmm", "gme"])
 def test_fitted_approximation_pickles(which):
     """A fitted approximation round-trips through cloudpickle (as PyMC's own do), with

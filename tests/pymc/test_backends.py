@@ -39,6 +39,7 @@ def test_jax_step_matches_the_python_step():
     np.testing.assert_allclose(got.std.eval(), ref.std.eval(), rtol=1e-7, atol=1e-9)
 
 
+@pytest.mark.slow
 def test_jax_step_with_row_subsampling_takes_the_python_steps_subsets():
     """Row subsample windows are numbered by the step (no generator in the step), so the
     JAX and the Python step use the same subsets: the same stochastic trace, whose
@@ -109,6 +110,7 @@ def _slopes_glmm(seed=0, J=20, N=120):
     return m
 
 
+@pytest.mark.slow
 def test_random_slope_glmm_runs_on_jax():
     """Static split positions (``unbatch_constant_split``): the step traces under JAX
     (a ``ConcretizationTypeError`` before) and gives the Python step's fit."""
@@ -118,6 +120,7 @@ def test_random_slope_glmm_runs_on_jax():
     np.testing.assert_allclose(got.mean.eval(), ref.mean.eval(), rtol=1e-8, atol=1e-10)
 
 
+@pytest.mark.slow
 def test_automatic_jax_falls_back_when_jax_cannot_trace_the_step(monkeypatch):
     """JAX traces on the first call: a failure there switches to the fallback backend."""
     model = _ordinal_pmf()
@@ -152,6 +155,7 @@ def test_large_steps_compile_with_jax_when_it_is_installed(monkeypatch):
     assert inf.choose_backend() == "numba"
 
 
+@pytest.mark.slow
 def test_jax_fit_leaves_numpy_state_for_the_rest_of_the_fit():
     """Local posteriors, sampling and SciPy-backed helpers run after a JAX step."""
     rng = np.random.default_rng(0)

@@ -127,20 +127,54 @@ def test_bound_not_finite_at_start_raises_divergence():
 
 
 def test_divergence_keeps_last_good_state():
-    """A likelihood that becomes undefined mid-fit: the approximation holds the last finite state."""
+    """The bound becomes non-finite mid-fit and no step size recovers it: the fit raises
+    DivergenceError, whose approximation holds the last accepted state.
+
+    A continuous likelihood that is undefined beyond some point does not do this:
+    backtracking approaches the boundary and keeps accepting shorter steps (an
+    identity-link Poisson with the data pulling its rate below 0 converged, or
+    stalled, without an error). Here a callback sets one predictor to NaN after
+    some accepted iterations (a pipeline that updates ``pm.Data`` while fitting):
+    every later candidate is NaN whatever its step size. The fit is continued
+    from a first call because ``hist`` records the iterations of completed calls.
+    """
     rng = np.random.default_rng(1)
-    x = rng.uniform(0.5, 1.5, 40)
+    x = rng.normal(size=60)
+    y = rng.poisson(np.exp(0.5 + 0.8 * x))
+    bad = x.copy()
+    bad[7] = np.nan
+    at_break = {}
+
+    def break_data(approx, losses, i):
+        if i == 6:  # the second iteration of the second call
+            at_break["losses"] = np.array(losses)
+            at_break["mean"] = approx.mean.eval()
+            at_break["std"] = approx.std.eval()
+            pm.set_data({"x": bad})
+
     with pm.Model():
-        w = pm.Normal("w", 1.0, 0.1)
-        # Poisson rate w * x is positive near the start but the data pull w towards 0 and below.
-        pm.Poisson("y", mu=w * x, observed=np.zeros(40, dtype=int))
-        inf = pymc_mcssvi.MCSSVI(schedule=1.0)
-        try:
-            approx = inf.fit(n=200, progressbar=False)
-        except DivergenceError as e:
-            approx = e.approx
-    assert np.all(np.isfinite(approx.hist))
-    assert np.all(np.isfinite(approx.mean.eval()))
+        xd = pm.Data("x", x)
+        b = pm.Normal("b", 0, 1, shape=2)
+        pm.Poisson("y", pm.math.exp(b[0] + b[1] * xd), observed=y)
+        inference = pymc_mcssvi.MCSSVI()
+        first = inference.fit(n=4, progressbar=False).hist.copy()
+        with pytest.raises(DivergenceError, match="diverged at iteration") as err:
+            inference.fit(n=200, callbacks=[break_data], progressbar=False)
+    assert np.all(np.isfinite(first)) and first[-1] < first[0]
+    # the second call accepted steps before the data were broken ...
+    losses = at_break["losses"]
+    assert len(losses) == 2 and np.all(np.isfinite(losses)) and losses[-1] <= first[-1]
+    # ... and diverged after them, keeping that state
+    assert err.value.iteration > 6
+    approx = err.value.approx
+    assert approx is inference.approx
+    assert len(approx.hist) >= 1 and np.all(np.isfinite(approx.hist))
+    np.testing.assert_array_equal(approx.hist[:4], first)
+    mean, std = approx.mean.eval(), approx.std.eval()
+    assert np.all(np.isfinite(mean)) and np.all(np.isfinite(std))
+    np.testing.assert_array_equal(mean, at_break["mean"])
+    np.testing.assert_array_equal(std, at_break["std"])
+    assert f"ELBO {-losses[-1]:,.6g}" in str(err.value)
 
 
 def test_bad_cov_and_schedule_arguments():

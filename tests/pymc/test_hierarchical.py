@@ -39,6 +39,7 @@ def _random_intercepts(centered, rng, G=12, n=150):
     return m, g, x, y
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("centered", [False, True], ids=["noncentered", "centered"])
 def test_point_hyperparameters_give_the_exact_conditional_posterior(centered, rng):
     """Gaussian likelihood: given the scales, q(effects) is the exact Gaussian posterior.
@@ -150,6 +151,7 @@ def test_zerosum_group_effects_agree_with_nuts():
     np.testing.assert_allclose(post["sigma"].mean(), ref["sigma"].mean(), rtol=0.2)
 
 
+@pytest.mark.slow
 def test_observation_level_effect_with_large_counts_agrees_with_nuts():
     """Overdispersed Poisson GLMM written with an observation-level effect ``e`` (a local
     integrated out per row): counts up to ~100 make each row's likelihood much narrower
@@ -408,6 +410,7 @@ def _exact_type2_map(s, d, y):
     return np.exp(optimize.minimize(neg, np.log([0.5, 0.5, 1.0])).x)
 
 
+@pytest.mark.slow
 def test_sparse_crossed_factors_share_one_covariance_and_reach_the_exact_type2_map():
     """Students with 2 ratings each, crossed with 60 lecturers (a small factor): q keeps
     one full covariance, so point scales land on the exact type-II MAP. The arrow

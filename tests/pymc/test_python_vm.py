@@ -86,6 +86,7 @@ def test_python_steps_have_no_per_element_ops(make):
     assert per_element_ops(fn.maker.fgraph) == []
 
 
+@pytest.mark.slow
 def test_python_step_upgrades_mid_fit_without_changing_it(monkeypatch):
     """The step compiled with merging only and the fully rewritten one compute the same
     iterations, and the upgrade continues the random draws instead of reseeding them."""

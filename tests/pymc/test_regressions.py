@@ -135,6 +135,7 @@ def test_unstandardized_covariate_does_not_stall_the_start():
     np.testing.assert_allclose(w_raw.std(0), w_scaled.std(0), rtol=0.1)
 
 
+@pytest.mark.slow
 def test_unstandardized_covariate_under_a_log_link_converges():
     """lme4 grouseticks with cHEIGHT on its raw scale (-59..71), centered crossed random
     intercepts, Poisson: the start q put quadrature nodes at log rates near 50, the first
@@ -321,6 +322,7 @@ def test_float32_model_samples():
     assert node.dtype == np.float32 and node.shape == (10, 8) and np.all(np.isfinite(node))
 
 
+@pytest.mark.slow
 def test_mixture_with_a_scale_per_component_fits():
     """A two-component regression mixture with one HalfNormal sigma per component: the
     merged-only first compilation of the step kept PyMC's parameter checks, so a candidate
@@ -398,6 +400,7 @@ def test_two_dimensional_hsgp_with_point_hyperparameters():
     assert np.isfinite(approx.sample(50, random_seed=2).posterior["f"].values).all()
 
 
+@pytest.mark.slow
 def test_scale_inside_a_right_multiplied_effect_matrix_and_2d_cumsum():
     """Per-group random walks written ``(s * eps) @ L.T`` (a lower-triangular ones matrix)
     with a HalfNormal scale ``s``: batched over q(h)'s sigma points, the target shape of an
@@ -467,6 +470,7 @@ def test_random_effects_written_as_a_custom_dist_of_a_normal():
     np.testing.assert_allclose(hists[0], hists[1], rtol=1e-10)
 
 
+@pytest.mark.slow
 def test_bound_value_of_a_centered_matrix_of_effects_follows_its_scale():
     """The normalizer ``-sum(log sigma)`` over a ``(60, 3)`` centered global compiled to
     ``+76 log sigma`` instead of ``-180 log sigma`` (PyTensor multiplies a sum over a
@@ -725,6 +729,7 @@ def test_a_per_observation_normal_read_transposed_gives_the_exact_posterior():
     np.testing.assert_allclose(approx.std.eval()[sl], prec**-0.5, rtol=1e-3)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["column", "reshape"])
 def test_a_per_observation_normal_read_in_another_layout_gives_the_exact_posterior(layout):
     # a local read as f[:, None] or f.reshape((N, K)) (same entries in flat order)
@@ -757,6 +762,7 @@ def test_a_per_observation_normal_read_in_another_layout_gives_the_exact_posteri
     np.testing.assert_allclose(draws.std(0), np.broadcast_to(f_sd, (n, k)), rtol=0.1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["poisson", "discrete"])
 def test_a_local_read_as_a_column_fits_as_when_read_directly(kind):
     # quadrature (Poisson) and enumeration (Bernoulli local) in the local's layout:

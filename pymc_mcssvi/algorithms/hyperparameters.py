@@ -34,9 +34,8 @@ from typing import NamedTuple
 import numpy as np
 import pytensor
 import pytensor.tensor as pt
-from pytensor.gradient import jacobian
 from pytensor.graph.basic import Constant
-from pytensor.graph.replace import graph_replace, vectorize_graph
+from pytensor.graph.replace import graph_replace
 from pytensor.graph.rewriting.basic import in2out, node_rewriter
 from pytensor.graph.rewriting.utils import rewrite_graph
 from pytensor.graph.traversal import ancestors, graph_inputs, io_toposort
@@ -57,6 +56,7 @@ from pymc_mcssvi.families.gaussian import (
     natural_step,
 )
 from pymc_mcssvi.recognize.graph import depends_on_any
+from pymc_mcssvi.recognize.vectorize import jacobian, vectorize_graph
 
 __all__ = [
     "HyperSpec",
@@ -526,7 +526,7 @@ class PointHyperparameters:
         value = outs[0]
         ok = pt.isfinite(value)
         grad = pt.grad(pt.switch(ok, value, 0.0), self.cand)
-        hess = jacobian(grad, self.cand, vectorize=True) if self.spec.optimizer is None else None
+        hess = jacobian(grad, self.cand) if self.spec.optimizer is None else None
         finite = _finite(grad) if hess is None else _finite(grad, hess)
         return outs, finite, (grad, hess)
 

@@ -170,7 +170,7 @@ class StepKernel:
             return None
         return (self.phase + 1) % self.n_phases
 
-    def build(self):
+    def build(self, by_node: bool = False):
         """Outputs ``[base_bound, cand_bound, accepted, rho]`` and the shared-variable updates.
 
         With several *phases* (matrix factorization: one per factor) each step
@@ -182,7 +182,7 @@ class StepKernel:
         # The factors move in turn: a factor's subsample windows advance once per
         # step of that factor, whether or not the other side is computed too.
         turns = pt.cast(self.t, "int64") // self.n_phases
-        ev = self.bound.evaluate(cand, phase=self._next_phase_only(), step=turns)
+        ev = self.bound.evaluate(cand, phase=self._next_phase_only(), step=turns, by_node=by_node)
         nph = len(ev.phase_values)
         outs = [ev.value, *ev.phase_values, *ev.grads, *ev.hessians]
         nv = 1 + nph

@@ -22,11 +22,12 @@ from __future__ import annotations
 import numpy as np
 import pytensor
 import pytensor.tensor as pt
-from pytensor.graph.replace import graph_replace, vectorize_graph
+from pytensor.graph.replace import graph_replace
 
 from pymc_mcssvi.exceptions import UnsupportedModelError
 from pymc_mcssvi.families.rayleigh import kl_rayleigh, natural_step_rayleigh, rayleigh_nodes
 from pymc_mcssvi.recognize.graph import depends_on_any
+from pymc_mcssvi.recognize.vectorize import vectorize_graph
 
 __all__ = ["RayleighGlobals"]
 

@@ -34,7 +34,7 @@ import pytensor.tensor as pt
 from pymc.variational.minibatch_rv import MinibatchRandomVariable, get_scaling
 from pytensor.compile.ops import ViewOp
 from pytensor.gradient import disconnected_grad
-from pytensor.graph.replace import graph_replace, vectorize_graph
+from pytensor.graph.replace import graph_replace
 from pytensor.graph.traversal import graph_inputs, io_toposort
 from pytensor.scalar import basic as ps
 from pytensor.tensor.elemwise import DimShuffle, Elemwise
@@ -51,6 +51,7 @@ from pymc_mcssvi.recognize.graph import (
     shape64,
 )
 from pymc_mcssvi.recognize.roles import base_op, dist_params
+from pymc_mcssvi.recognize.vectorize import vectorize_graph
 
 __all__ = [
     "MAX_NEWTON_STEP",
@@ -196,7 +197,6 @@ def laplace_nodes(logp_y, value, loc, scale, n: int):
     Examples
     --------
     >>> import numpy as np, pytensor.tensor as pt
-    >>> from pytensor.graph.replace import vectorize_graph
     >>> from scipy import integrate, special, stats
     >>> f = pt.vector("f")
     >>> logp = 80 * f - pt.exp(f) - special.gammaln(81.0)  # Poisson(80 | exp(f))

@@ -182,7 +182,7 @@ class StructuredBound:
         geoms = self.geometries + self._pair_predictor_geometries()
         return [g.moments(means, covs, g.prepare())[1] for g in geoms]
 
-    def _term_expectations(self, term, mu, var, need_hessian=True):
+    def _term_expectations(self, term, mu, var, need_hessian=True, by_node=False):
         """``(T, alpha, beta)`` of a non-Gaussian predictor term (flat ``alpha``, ``beta``)."""
         shape = term.eta_shape
         try:
@@ -195,6 +195,7 @@ class StructuredBound:
                 n_points=self.n_points if term.smooth else max(self.n_points, KINKED_POINTS),
                 need_hessian=need_hessian,
                 derivatives="direct" if term.smooth else "stein",
+                by_node=by_node,
             )
         except (MethodNotDefined, NullTypeGradError) as err:
             raise UnsupportedModelError(
@@ -253,6 +254,7 @@ class StructuredBound:
         need_hessian: bool = True,
         phase=None,
         step=None,
+        by_node: bool = False,
     ):
         """Build the bound and its natural-gradient ingredients for ``states``.
 
@@ -262,7 +264,9 @@ class StructuredBound:
         ``H`` from those terms are zero and every phase value is that phase's.
         ``step`` (symbolic integer, with ``row_subsample``) numbers the
         evaluation so that the rows' subsample windows advance through their
-        observations (:meth:`BilinearEstimator.expectations`).
+        observations (:meth:`BilinearEstimator.expectations`). ``by_node`` sums
+        one-dimensional quadratures a node at a time (for a JAX step, see
+        :func:`~pymc_mcssvi.estimators.quadrature.expected_derivatives`).
 
         Returns
         -------
@@ -290,7 +294,7 @@ class StructuredBound:
             if term.gaussian:
                 T, alpha, beta = expected_standard_normal(mu, var)
             else:
-                T, alpha, beta = self._term_expectations(term, mu, var, need_hessian)
+                T, alpha, beta = self._term_expectations(term, mu, var, need_hessian, by_node)
             expected = expected + pt.sum(T)
             if need_derivatives:
                 grads, hessians = geom.accumulate(
@@ -311,7 +315,7 @@ class StructuredBound:
         T_phase = None
         if self.bilinear.active:
             T_v, T_u, g_bil, H_bil = self.bilinear.expectations(
-                states, covs, need_hessian, phase, step=step
+                states, covs, need_hessian, phase, step=step, by_node=by_node
             )
             T_phase = [T_v, T_u]
             if need_derivatives:

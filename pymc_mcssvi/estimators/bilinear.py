@@ -36,12 +36,10 @@ from __future__ import annotations
 import numpy as np
 import pytensor.tensor as pt
 from pytensor.conditional import ifelse
-from pytensor.conditional.op import IfElse
 from pytensor.graph.basic import Constant
 from pytensor.graph.fg import MissingInputError
-from pytensor.graph.replace import _vectorize_node, clone_replace
+from pytensor.graph.replace import clone_replace
 from pytensor.graph.traversal import io_toposort
-from pytensor.tensor.blockwise import vectorize_node_fallback
 
 from pymc_mcssvi.estimators.quadrature import expected_derivatives
 from pymc_mcssvi.exceptions import UnsupportedModelError
@@ -49,36 +47,6 @@ from pymc_mcssvi.families.gaussian import GaussianBlocks, _lower_inverse, bmm, b
 from pymc_mcssvi.recognize.graph import depends_on_any, evaluate_static, holds_row_positions
 
 __all__ = ["BilinearEstimator"]
-
-
-@_vectorize_node.register(IfElse)
-def _vectorize_ifelse(op, node, cond, *inputs):
-    """An ``ifelse`` on an unbatched condition batched over its branches' leading axes.
-
-    The phase switch of a matrix factorization's step (:meth:`BilinearEstimator._one_side`)
-    is batched over q(h)'s sigma points when prior scales are hyperparameters; the
-    default, a ``Blockwise`` of the lazy ``IfElse``, cannot run on the Python backend.
-    Both branches are broadcast to the batch shape (inside the branch, so the lazy
-    evaluation still computes only the chosen one).
-    """
-    if cond.type.ndim > node.inputs[0].type.ndim:  # a batched condition: elementwise choice
-        return vectorize_node_fallback(op, node, cond, *inputs)
-    n = op.n_outs
-    old = node.inputs[1:]
-    batch = max(new.ndim - o.ndim for new, o in zip(inputs, old, strict=True))
-    if batch == 0:
-        return op.make_node(cond, *inputs)
-    padded = [
-        pt.shape_padleft(new, batch - (new.ndim - o.ndim))
-        for new, o in zip(inputs, old, strict=True)
-    ]
-    then, other = [], []
-    for t, e in zip(padded[:n], padded[n:], strict=True):
-        t, e = pt.broadcast_arrays(t, e)
-        then.append(t)
-        other.append(e)
-    outs = ifelse(cond, then, other, name=op.name)
-    return outs if isinstance(outs, list) else [outs]
 
 
 def _row_positions(v, n, m):
@@ -355,6 +323,7 @@ class BilinearEstimator:
         obs=None,
         weight=None,
         affine=None,
+        by_node=False,
     ):
         """``(T, g_obs, H_obs, rows, alpha, beta)`` for the factor ``exact``, with points of
         the factor ``draw``.
@@ -391,7 +360,9 @@ class BilinearEstimator:
         if affine is not None:
             ma, va = affine if obs is None else (affine[0][obs], affine[1][obs])
             mean, var = mean + ma[None, :], var + va[None, :]
-        T, alpha, beta = expected_derivatives(logp, ph, mean, var, n_points=self.n_points)
+        T, alpha, beta = expected_derivatives(
+            logp, ph, mean, var, n_points=self.n_points, by_node=by_node
+        )
         if weight is not None:
             T, alpha = T * weight, alpha * weight
             beta = None if beta is None else beta * weight
@@ -402,7 +373,7 @@ class BilinearEstimator:
             b_obs = None if beta is None else pt.mean(beta, axis=0)
         return pt.mean(pt.sum(T, axis=-1)), g_obs, H_obs, exact_rows, a_obs, b_obs
 
-    def expectations(self, states, covs, need_hessian=True, phase=None, step=None):
+    def expectations(self, states, covs, need_hessian=True, phase=None, step=None, by_node=False):
         """``(T_v, T_u, grads, hessians)``.
 
         ``T_v`` (points of U, exact in V) is the value consistent with the
@@ -453,15 +424,29 @@ class BilinearEstimator:
                 M = bmm(V[1][d], pt.matrix_transpose(U[1][s]))  # A_v^T A_u
                 subsets = [(None, None), (None, None)]
                 sides = [
-                    self._side(term, E_u, U, V, s, d, M=M, affine=affine),
-                    self._side(term, E_v, V, U, d, s, M=pt.matrix_transpose(M), affine=affine),
+                    self._side(term, E_u, U, V, s, d, M=M, affine=affine, by_node=by_node),
+                    self._side(
+                        term,
+                        E_v,
+                        V,
+                        U,
+                        d,
+                        s,
+                        M=pt.matrix_transpose(M),
+                        affine=affine,
+                        by_node=by_node,
+                    ),
                 ]
             else:
                 subsets = [self._subsample(layout[1], step), self._subsample(layout[0], step)]
                 (obs_v, w_v), (obs_u, w_u) = subsets
                 sides = [
-                    self._side(term, E_u, U, V, s, d, obs=obs_v, weight=w_v, affine=affine),
-                    self._side(term, E_v, V, U, d, s, obs=obs_u, weight=w_u, affine=affine),
+                    self._side(
+                        term, E_u, U, V, s, d, obs=obs_v, weight=w_v, affine=affine, by_node=by_node
+                    ),
+                    self._side(
+                        term, E_v, V, U, d, s, obs=obs_u, weight=w_u, affine=affine, by_node=by_node
+                    ),
                 ]
             for i, (seg, side) in enumerate(zip((sv, su), sides, strict=True)):
                 T, g_obs, H_obs, rows, a_obs, b_obs = side

@@ -34,7 +34,7 @@ from __future__ import annotations
 import numpy as np
 import pytensor.tensor as pt
 from pytensor.graph.basic import Constant
-from pytensor.graph.replace import graph_replace, vectorize_graph
+from pytensor.graph.replace import graph_replace
 from pytensor.graph.traversal import graph_inputs, io_toposort
 
 from pymc_mcssvi.families.gaussian import sample
@@ -47,6 +47,7 @@ from pymc_mcssvi.recognize.graph import (
 )
 from pymc_mcssvi.recognize.separable import flat_offsets, hessian_colors, read_flat
 from pymc_mcssvi.recognize.stabilize import stable_logp
+from pymc_mcssvi.recognize.vectorize import vectorize_graph
 
 __all__ = ["GeneralEstimator", "flat_indices"]
 

@@ -28,13 +28,13 @@ import numpy as np
 import pytensor.tensor as pt
 from pytensor.compile.builders import OpFromGraph
 from pytensor.graph.basic import Constant
-from pytensor.graph.replace import graph_replace, vectorize_graph
+from pytensor.graph.replace import graph_replace
 from pytensor.graph.rewriting.basic import node_rewriter
 from pytensor.graph.traversal import graph_inputs, io_toposort
 from pytensor.scalar import Abs, Neg, Softplus
 from pytensor.tensor.elemwise import Elemwise
 
-from pymc_mcssvi.families.gaussian import compiled_products_active
+from pymc_mcssvi.recognize.vectorize import vectorize_graph
 
 __all__ = ["expected_derivatives", "expected_pair_derivatives", "gauss_hermite"]
 
@@ -73,6 +73,7 @@ def expected_derivatives(
     rng=None,
     need_hessian: bool = True,
     derivatives: str = "direct",
+    by_node: bool = False,
 ):
     """Expectations ``(T, alpha, beta)`` of an elementwise log density.
 
@@ -148,7 +149,7 @@ def expected_derivatives(
 
     else:
         raise ValueError(f"method must be 'quadrature' or 'mc', got {method!r}")
-    if method == "quadrature" and not stein and compiled_products_active():
+    if method == "quadrature" and not stein and by_node:
         out = _node_by_node(graphs, placeholder, mean, sd, int(n_points))
         if not need_hessian:
             out.append(None)

@@ -30,13 +30,15 @@ the caller treats as a rejected step.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 from typing import Literal, NamedTuple
 
 import numpy as np
 import pytensor.tensor as pt
 from pytensor.conditional.op import ifelse
+from pytensor.graph.rewriting.basic import node_rewriter
+from pytensor.scalar import Mul
+from pytensor.tensor.elemwise import DimShuffle, Elemwise
+from pytensor.tensor.math import Sum
 
 from pymc_mcssvi.families.batched import (
     UNROLL_MAX_K,
@@ -44,12 +46,13 @@ from pymc_mcssvi.families.batched import (
     lower_inverse_unrolled,
     solve_lower_t_unrolled,
     solve_lower_unrolled,
-    stacked_cholesky,
-    stacked_lower_inverse,
 )
 
 __all__ = [
     "GaussianBlocks",
+    "bmm",
+    "bmv",
+    "broadcast_products_as_matmul",
     "cho_solve_blocks",
     "cho_solve_columns",
     "cholesky",
@@ -89,15 +92,17 @@ def cholesky(P):
     -----
     Returns NaN (instead of raising) when a block is not positive definite, so
     that the step function can reject the step and back off its step size.
-    ``K = 1`` avoids the batched LAPACK call.
+    ``K = 1`` avoids the batched LAPACK call; up to
+    :data:`~pymc_mcssvi.families.batched.UNROLL_MAX_K` the factorization is unrolled
+    into elementwise operations. Larger blocks use PyTensor's batched Cholesky, which
+    the Python backend's modes run as one stacked LAPACK call
+    (:func:`~pymc_mcssvi.families.batched.blockwise_linalg_as_stacked`).
     """
     if P.type.shape[-1] == 1:
         return pt.sqrt(P)
     if _unroll(P):
         return cholesky_unrolled(P)
-    if _stacked(P):
-        return stacked_cholesky(P)
-    return pt.linalg.cholesky(P, lower=True, on_error="nan")
+    return pt.linalg.cholesky(P, lower=True)
 
 
 def _unroll(x) -> bool:
@@ -106,65 +111,73 @@ def _unroll(x) -> bool:
     return x.ndim == 3 and K is not None and K <= UNROLL_MAX_K and (R is None or R > 1)
 
 
-def _stacked(x) -> bool:
-    """Many small blocks: one call of NumPy's stacked LAPACK routines."""
-    R = x.type.shape[0]
-    return x.ndim == 3 and (R is None or R > 1)
-
-
-#: Whether graphs are built in the forms of a JAX step (see
-#: :func:`compiled_products`).
-_COMPILED_FORMS = contextvars.ContextVar("compiled_forms", default=False)
-
-
-@contextlib.contextmanager
-def compiled_products():
-    """Build graphs in the forms XLA runs fastest (for a JAX step).
-
-    Stacked products of small blocks become batched ``@``: XLA turns that into
-    one batched dot, and the broadcast form of :func:`bmm` (best for NumPy's
-    loops) into a reduction over ``K^3`` temporaries (for ``(14860, 10, 10)``
-    blocks 1.2 ms against 8.5 ms, JAX on CPU). One-dimensional quadratures
-    (:func:`~pymc_mcssvi.estimators.quadrature.expected_derivatives`) are summed
-    a node at a time.
-
-    Examples
-    --------
-    >>> import pytensor.tensor as pt
-    >>> A = pt.tensor3("A", shape=(None, 3, 3))
-    >>> with compiled_products():
-    ...     prod = bmm(A, A)
-    >>> type(prod.owner.op).__name__
-    'Blockwise'
-    """
-    token = _COMPILED_FORMS.set(True)
-    try:
-        yield
-    finally:
-        _COMPILED_FORMS.reset(token)
-
-
-def compiled_products_active() -> bool:
-    """Whether graphs are being built for a JAX step (:func:`compiled_products`)."""
-    return _COMPILED_FORMS.get()
-
-
 def bmm(A, B):
     """``A @ B`` for stacks of small matrices, as an elementwise product and a sum.
 
     A batched ``@`` is a loop of BLAS calls (a Python loop when the step is not
     compiled); for ``K`` up to :data:`BROADCAST_MAX_K` the broadcast form is
     faster, for larger blocks (a 185-dimensional joint block: 6.3 million
-    temporaries per product) the BLAS call is. Inside :func:`compiled_products`
-    it is always ``A @ B``.
+    temporaries per product) the BLAS call is. A JAX step's mode turns the
+    broadcast form back into a batched ``@``
+    (:func:`broadcast_products_as_matmul`), which XLA runs as one batched dot.
     """
-    if (
-        (A.ndim <= 2 and B.ndim <= 2)
-        or _COMPILED_FORMS.get()
-        or not _broadcast_small(A.type.shape[-1], B.type.shape[-1])
-    ):
+    if (A.ndim <= 2 and B.ndim <= 2) or not _broadcast_small(A.type.shape[-1], B.type.shape[-1]):
         return A @ B
     return pt.sum(A[..., :, :, None] * B[..., None, :, :], axis=-2)
+
+
+def _dimshuffle_adds(var, position):
+    """The input of ``var`` if ``var`` is a ``DimShuffle`` that only inserts one broadcast
+    axis at ``position`` (counted from the end of the output), else ``None``."""
+    node = var.owner
+    if node is None or not isinstance(node.op, DimShuffle):
+        return None
+    order = list(node.op.new_order)
+    at = len(order) + position
+    if order.count("x") != 1 or order.index("x") != at:
+        return None
+    if [o for o in order if o != "x"] != list(range(node.inputs[0].type.ndim)):
+        return None
+    return node.inputs[0]
+
+
+@node_rewriter([Sum])
+def broadcast_products_as_matmul(fgraph, node):
+    """``sum(A[..., :, :, None] * B[..., None, :, :], axis=-2)`` (:func:`bmm`'s broadcast
+    form) -> ``A @ B``.
+
+    For a JAX step: XLA turns the broadcast form into a reduction over ``K^3``
+    temporaries and the batched ``@`` into one batched dot (for ``(14860, 10, 10)``
+    blocks 1.2 ms against 8.5 ms, JAX on CPU). Registered in the JAX step's mode
+    only (:func:`~pymc_mcssvi.backend.modes.jax_step_mode`).
+
+    Examples
+    --------
+    >>> import pytensor, pytensor.tensor as pt
+    >>> from pytensor.compile.mode import Mode
+    >>> from pytensor.graph.rewriting.basic import in2out
+    >>> A = pt.tensor3("A", shape=(None, 3, 3))
+    >>> mode = Mode(linker="py", optimizer=None).register((in2out(broadcast_products_as_matmul), 0))
+    >>> fn = pytensor.function([A], bmm(A, A), mode=mode)
+    >>> [type(n.op).__name__ for n in fn.maker.fgraph.apply_nodes]
+    ['Blockwise']
+    """
+    axis = node.op.axis
+    (prod,) = node.inputs
+    nd = prod.type.ndim
+    if axis is None or len(axis) != 1 or axis[0] != nd - 2 or nd < 3:
+        return None
+    mul = prod.owner
+    if mul is None or not isinstance(mul.op, Elemwise) or not isinstance(mul.op.scalar_op, Mul):
+        return None
+    if len(mul.inputs) != 2:
+        return None
+    A = _dimshuffle_adds(mul.inputs[0], -1)
+    B = _dimshuffle_adds(mul.inputs[1], -3)
+    if A is None or B is None or A.type.ndim < 2 or B.type.ndim < 2:
+        return None
+    out = A @ B
+    return [out.astype(node.outputs[0].dtype) if out.dtype != node.outputs[0].dtype else out]
 
 
 #: Largest block size for which stacked products use the broadcast form (K^3 temporaries).
@@ -197,13 +210,13 @@ def _eye_like(factor):
 
 
 def _lower_inverse(L):
-    """``L^{-1}`` for lower-triangular blocks (a triangular solve, not an inverse)."""
+    """``L^{-1}`` for lower-triangular blocks (a triangular solve against identity
+    blocks, not an inverse; one stacked call on the Python backend, see
+    :func:`~pymc_mcssvi.families.batched.blockwise_linalg_as_stacked`)."""
     if L.type.shape[-1] == 1:
         return 1.0 / L
     if _unroll(L):
         return lower_inverse_unrolled(L)
-    if _stacked(L):
-        return stacked_lower_inverse(L)
     return pt.linalg.solve_triangular(L, _eye_like(L), lower=True)
 
 
@@ -400,8 +413,8 @@ def cho_solve_blocks(L, b):
         return b / (L[..., 0] ** 2)
     if _unroll(L):
         return solve_lower_t_unrolled(L, solve_lower_unrolled(L, b))
-    if _stacked(L):
-        Li = stacked_lower_inverse(L)
+    if L.type.ndim == 3 and (L.type.shape[0] is None or L.type.shape[0] > 1):
+        Li = _lower_inverse(L)
         return pt.sum(
             pt.matrix_transpose(Li) * pt.sum(Li * b[..., None, :], axis=-1)[..., None, :], axis=-1
         )

@@ -160,7 +160,6 @@ def conditional_seeds(random_seed, n: int) -> list[np.random.SeedSequence]:
     return parent.spawn(n)
 
 
-@Group.register
 class StructuredGaussianGroup(Group):
     """Gaussian q over the Gaussian globals, factorized over segments.
 
@@ -427,7 +426,6 @@ class StructuredGaussianGroup(Group):
         )
 
 
-@Group.register
 class PointGroup(Group):
     """A point mass (type-II ML / MAP estimate) in PyMC's unconstrained space."""
 
@@ -459,7 +457,6 @@ class PointGroup(Group):
         return pt.zeros((self.ddim, self.ddim))
 
 
-@Group.register
 class RayleighGroup(Group):
     """``q(w) = Rayleigh(sigma_q)`` for scalar positive globals, in PyMC's log space.
 

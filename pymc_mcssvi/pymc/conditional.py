@@ -33,7 +33,7 @@ import pytensor.tensor as pt
 from pymc.pytensorf import compile as pm_compile
 from pytensor.compile.builders import OpFromGraph
 from pytensor.compile.rewriting import inline_ofg_node
-from pytensor.graph.replace import graph_replace, vectorize_graph
+from pytensor.graph.replace import graph_replace
 from pytensor.graph.traversal import io_toposort
 from pytensor.tensor.blockwise import Blockwise
 from pytensor.tensor.elemwise import Elemwise
@@ -43,6 +43,7 @@ from pymc_mcssvi.algorithms.hyperparameters import shapes_at_fixed
 from pymc_mcssvi.algorithms.marginal import REFIT_TOL, refit_graph
 from pymc_mcssvi.algorithms.profile_grid import LADDER
 from pymc_mcssvi.pymc.python_vm import graph_building, python_few_calls_mode
+from pymc_mcssvi.recognize.vectorize import vectorize_graph
 
 __all__ = [
     "BATCH_BYTES",

@@ -24,7 +24,7 @@ from pymc.pytensorf import compile as pm_compile
 from pymc.pytensorf import resolve_backend_compile_kwargs
 from pymc.variational.inference import Inference
 from pytensor.compile.mode import Mode, get_mode
-from pytensor.graph.replace import graph_replace, vectorize_graph
+from pytensor.graph.replace import graph_replace
 from pytensor.graph.rewriting.basic import in2out
 from pytensor.graph.traversal import ancestors
 from rich.console import Console
@@ -92,8 +92,7 @@ from pymc_mcssvi.bounds.structured import StructuredBound
 from pymc_mcssvi.estimators.general import flat_indices
 from pymc_mcssvi.estimators.quadrature import softplus_of_nonpositive
 from pymc_mcssvi.exceptions import DivergenceError
-from pymc_mcssvi.families.batched import register_jax_dispatch
-from pymc_mcssvi.families.gaussian import GaussianBlocks, compiled_products
+from pymc_mcssvi.families.gaussian import GaussianBlocks, broadcast_products_as_matmul
 from pymc_mcssvi.pymc.approximation import (
     ConditionalView,
     PointGroup,
@@ -129,6 +128,7 @@ from pymc_mcssvi.pymc.python_vm import (  # noqa: F401  (re-exported: older impo
 )
 from pymc_mcssvi.recognize.graph import depends_on_any, evaluate_static, static_shape
 from pymc_mcssvi.recognize.model import MIXED_BILINEAR, check_data, recognize
+from pymc_mcssvi.recognize.vectorize import vectorize_graph
 
 __all__ = ["HMCSSVI", "MCSSVI", "SDSVI", "StructuredVI"]
 
@@ -1114,9 +1114,8 @@ class StructuredVI(Inference):
         jax_mode = backend == "jax" or (
             isinstance(mode, Mode) and type(mode.linker).__name__ == "JAXLinker"
         )
-        products = compiled_products() if jax_mode else contextlib.nullcontext()
-        with graph_building(), products:
-            outputs, updates = self.kernel.build()
+        with graph_building():
+            outputs, updates = self.kernel.build(by_node=jax_mode)
         if backend == "python":
 
             def compile_python(full, reseed=True):
@@ -1135,10 +1134,12 @@ class StructuredVI(Inference):
 
             return _UpgradingStep(compile_python)
         if jax_mode:
-            register_jax_dispatch()
-            # static split positions for JAX (sigma-point vectorized gradients of joins)
+            # static split positions for JAX (sigma-point vectorized gradients of joins),
+            # and stacked products of small blocks as batched dots
             ck["mode"] = get_mode(mode if mode is not None else "JAX").register(
-                (in2out(unbatch_constant_split), 59), (in2out(softplus_of_nonpositive), 59.1)
+                (in2out(broadcast_products_as_matmul), 0.5),
+                (in2out(unbatch_constant_split), 59),
+                (in2out(softplus_of_nonpositive), 59.1),
             )
         with self.model, warnings.catch_warnings():
             # JAX steps draw from copies of their generators (Monte Carlo draws): expected.

@@ -28,11 +28,11 @@ from pymc.pytensorf import compile as pm_compile
 from pymc.pytensorf import reseed_rngs
 from pymc.variational.opvi import Group, node_property
 from pytensor.compile.mode import Mode
-from pytensor.graph.replace import vectorize_graph
 from pytensor.graph.traversal import ancestors
 from pytensor.tensor.random.type import RandomType
 
 from pymc_mcssvi.pymc.locals import init_marginal_layout
+from pymc_mcssvi.recognize.vectorize import vectorize_graph
 
 __all__ = ["LeafGroup", "initial_leaf_params", "leaf_moments", "leaf_sampler"]
 
@@ -42,7 +42,6 @@ BATCH_ELEMENTS = 2_000_000
 MOMENT_DRAWS = 200
 
 
-@Group.register
 class LeafGroup(Group):
     """Placeholders for the predictive leaves (see the module docstring): their
     marginal means and sds; ``approx.sample`` replaces the draws by exact ones."""

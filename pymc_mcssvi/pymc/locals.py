@@ -28,12 +28,12 @@ import numpy as np
 import pytensor
 import pytensor.tensor as pt
 from pymc.variational.opvi import Group, node_property
-from pytensor.graph.replace import vectorize_graph
 
 from pymc_mcssvi.bounds.locals import in_local_layout, laplace_nodes
 from pymc_mcssvi.recognize.graph import as_float, remove_checks, shape64
 from pymc_mcssvi.recognize.roles import dist_params
 from pymc_mcssvi.recognize.stabilize import stable_logp
+from pymc_mcssvi.recognize.vectorize import vectorize_graph
 
 __all__ = ["LocalGroup", "conditional_local_sampler", "init_marginal_layout", "local_posteriors"]
 
@@ -61,7 +61,6 @@ def init_marginal_layout(group, members, params):
     group._finalize_init()
 
 
-@Group.register
 class LocalGroup(Group):
     """Independent marginal posteriors of the local latents (see the module docstring)."""
 

@@ -33,6 +33,7 @@ from pytensor.scalar.basic import Add, Cast, Clip, Identity, Mul, Second
 from pytensor.scalar.math import Log1mexp, TriGamma
 from pytensor.tensor.elemwise import Elemwise
 
+from pymc_mcssvi.families.batched import blockwise_linalg_as_stacked
 from pymc_mcssvi.recognize.stabilize import softplus_to_ufuncs
 
 __all__ = [
@@ -268,6 +269,12 @@ UFUNC_REWRITES = (
 )
 
 
+#: Position of :func:`~pymc_mcssvi.families.batched.blockwise_linalg_as_stacked` in the
+#: Python backend's modes: before canonicalization, which could fold the identity
+#: blocks the lower-triangular inverse is solved against.
+STACKED_LINALG_POSITION = 0.5
+
+
 def python_linker() -> VMLinker:
     """Linker of the ``"python"`` backend's functions: NumPy ``perform`` per node.
 
@@ -309,7 +316,10 @@ def python_step_mode() -> Mode:
     return Mode(
         linker=python_linker(),
         optimizer=without_structure_rewrites(get_mode("FAST_COMPILE")).provided_optimizer,
-    ).register((in2out(*UFUNC_REWRITES, name="ufunc_rewrites"), 48.5))
+    ).register(
+        (in2out(blockwise_linalg_as_stacked), STACKED_LINALG_POSITION),
+        (in2out(*UFUNC_REWRITES, name="ufunc_rewrites"), 48.5),
+    )
 
 
 def python_few_calls_mode() -> Mode:
@@ -332,6 +342,7 @@ def python_few_calls_mode() -> Mode:
     """
     return (
         Mode(linker=python_linker(), optimizer=RewriteDatabaseQuery(include=["merge"]))
+        .register((in2out(blockwise_linalg_as_stacked), STACKED_LINALG_POSITION))
         .register((in2out(*UFUNC_REWRITES, name="ufunc_rewrites"), 48.5))
         # PyMC's parameter checks (``sigma > 0``) return -inf instead of raising, as in
         # every PyMC function (that rewrite lives in canonicalize, which is skipped here):

@@ -40,7 +40,6 @@ import pytensor.tensor as pt
 from pytensor import scalar as ps_scalar
 from pytensor.gradient import DisconnectedGrad, disconnected_grad
 from pytensor.graph.basic import Constant
-from pytensor.graph.replace import _vectorize_node, _vectorize_not_needed
 from pytensor.graph.rewriting.basic import in2out, node_rewriter
 from pytensor.graph.rewriting.utils import rewrite_graph
 from pytensor.scalar import math as ps_math
@@ -391,12 +390,6 @@ def _zero_weighted_log(fgraph, node):
         out = mul(c, pt.log(safe))
         return [out if out.dtype == node.outputs[0].dtype else out.astype(node.outputs[0].dtype)]
     return None
-
-
-# ``disconnected_grad`` is elementwise: batched by ``vectorize_graph`` (the quadrature
-# nodes, q(h)'s sigma points) it stays itself, not a ``Blockwise`` (a Python loop over
-# the batch on the Python backend, and a node canonicalization does not remove)
-_vectorize_node.register(DisconnectedGrad, _vectorize_not_needed)
 
 
 @node_rewriter([Elemwise])

@@ -269,15 +269,17 @@ def test_skew_normal_derivatives_finite_far_out(fixed_alpha):
 
 
 def test_masks_stay_elementwise_when_batched():
-    """The comparisons' gradient stop is elementwise: batched over quadrature nodes it is
-    no ``Blockwise`` (a Python loop over the batch on the Python backend)."""
-    from pytensor.graph.replace import vectorize_graph
+    """The comparisons' gradient stop is elementwise: batched over quadrature nodes (by the
+    plugin's own batching rules) it is no ``Blockwise`` (a Python loop over the batch on
+    the Python backend)."""
+    from pytensor.graph.traversal import applys_between
     from pytensor.tensor.blockwise import Blockwise
 
     from pymc_mcssvi.estimators.quadrature import derivative_graphs
+    from pymc_mcssvi.recognize.vectorize import vectorize_graph
 
     f = pt.vector("f")
     lp = stable_logp(remove_checks(pm.logp(pm.Poisson.dist(pm.math.exp(f)), np.array([0, 3]))))
     batched = vectorize_graph(list(derivative_graphs(lp, f)), {f: pt.matrix("F")})
-    nodes = pytensor.graph.basic.applys_between([], batched)
+    nodes = applys_between([], batched)
     assert not any(isinstance(n.op, Blockwise) for n in nodes)

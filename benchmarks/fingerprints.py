@@ -6,7 +6,8 @@ centered and non-centered effects, matrix factorization in full batch and with r
 subsampling, a Rayleigh global, a marginalized local, the Monte Carlo + autodiff path,
 two predictors, ``pm.Minibatch``, an LKJ covariance). Each line gives the iterations,
 the last -ELBO, the first entries of ``approx.mean`` / ``approx.std`` and the sample
-means of 200 seeded draws; two checkouts that behave the same print the same lines.
+means of 200 seeded draws
+two checkouts that behave the same print the same lines.
 
 Usage::
 
@@ -18,11 +19,12 @@ Usage::
 import sys
 import time
 import warnings
+import zlib
 
-sys.path.insert(0, sys.argv[1])
-warnings.filterwarnings("ignore")
 import numpy as np
 import pymc as pm
+
+warnings.filterwarnings("ignore")
 
 rng = np.random.default_rng(0)
 
@@ -162,29 +164,40 @@ CASES = dict(
     lkj=lkj,
 )
 ALGOS = {"glm": ["mcssvi", "hmcssvi", "sdsvi"]}
-names = sys.argv[2:] or list(CASES)
-for name in names:
-    for alg in ALGOS.get(name, ["hmcssvi"]):
-        m, kw = CASES[name]()
-        t = time.time()
-        n = kw.pop("n", None)
-        with m:
-            approx = pm.fit(
-                n=n if n else (300 if name in ("minibatch", "pmf_ord_sub") else None),
-                method=alg,
-                progressbar=False,
-                **kw,
+
+
+def main():
+    sys.path.insert(0, sys.argv[1])  # the checkout whose pymc_mcssvi is imported
+    import pymc_mcssvi  # noqa: F401  (registers the methods)
+
+    global rng
+    for name in sys.argv[2:] or list(CASES):
+        for alg in ALGOS.get(name, ["hmcssvi"]):
+            rng = np.random.default_rng(zlib.crc32(name.encode()))  # each case its own data
+            m, kw = CASES[name]()
+            t = time.time()
+            n = kw.pop("n", None)
+            with m:
+                approx = pm.fit(
+                    n=n if n else (300 if name in ("minibatch", "pmf_ord_sub") else None),
+                    method=alg,
+                    progressbar=False,
+                    **kw,
+                )
+                dt = time.time() - t
+                mean, std = approx.mean.eval(), approx.std.eval()
+                s = approx.sample(200, random_seed=3)
+            post = s.posterior
+            sm = np.concatenate(
+                [np.ravel(post[v].values.mean(axis=(0, 1))) for v in sorted(post.data_vars)]
             )
-            dt = time.time() - t
-            mean, std = approx.mean.eval(), approx.std.eval()
-            s = approx.sample(200, random_seed=3)
-        post = s.posterior
-        sm = np.concatenate(
-            [np.ravel(post[v].values.mean(axis=(0, 1))) for v in sorted(post.data_vars)]
-        )
-        print(
-            f"{name:14s} {alg:8s} it={approx.n_iter:4d} elbo={approx.hist[-1]:.10g} "
-            f"mean={np.round(mean[:3], 6).tolist()} std={np.round(std[:3], 6).tolist()} "
-            f"smean={np.round(sm[:3], 5).tolist()} t={dt:.1f}",
-            flush=True,
-        )
+            print(
+                f"{name:14s} {alg:8s} it={approx.n_iter:4d} elbo={approx.hist[-1]:.10g} "
+                f"mean={np.round(mean[:3], 6).tolist()} std={np.round(std[:3], 6).tolist()} "
+                f"smean={np.round(sm[:3], 5).tolist()} t={dt:.1f}",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()

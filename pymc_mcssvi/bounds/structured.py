@@ -22,7 +22,6 @@ from pytensor.gradient import NullTypeGradError
 from pytensor.graph.utils import MethodNotDefined
 from pytensor.tensor.exceptions import NotScalarConstantError
 
-from pymc_mcssvi.algorithms.arrow import arrow_head
 from pymc_mcssvi.estimators.bilinear import BilinearEstimator
 from pymc_mcssvi.estimators.general import GeneralEstimator
 from pymc_mcssvi.estimators.predictor import PredictorGeometry
@@ -34,6 +33,7 @@ from pymc_mcssvi.estimators.quadrature import (
 from pymc_mcssvi.exceptions import UnsupportedModelError
 from pymc_mcssvi.families.gaussian import GaussianBlocks, covariance, entropy
 from pymc_mcssvi.recognize.graph import evaluate_static
+from pymc_mcssvi.recognize.layout import arrow_head
 
 __all__ = ["BoundEvaluation", "StructuredBound"]
 

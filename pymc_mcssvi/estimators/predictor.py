@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pytensor.tensor as pt
+from pytensor.graph.basic import Constant
+from pytensor.graph.traversal import graph_inputs
 
 from pymc_mcssvi.recognize.affine import LinearTerm
 from pymc_mcssvi.recognize.graph import shape64
@@ -309,9 +311,6 @@ class PredictorGeometry:
 def _constant_cols(t: LinearTerm):
     """Numeric column indices of a dense term, or None if they are data dependent."""
     try:
-        from pytensor.graph.basic import Constant
-        from pytensor.graph.traversal import graph_inputs
-
         if not all(isinstance(v, Constant) for v in graph_inputs([t.cols])):
             return None
         return np.asarray(t.cols.eval(mode="FAST_COMPILE")).reshape(-1).astype("int64")

@@ -22,8 +22,6 @@ finite at the extreme predictor values a wide initial covariance produces.
 
 from __future__ import annotations
 
-from functools import lru_cache
-
 import numpy as np
 import pytensor.tensor as pt
 from pytensor.compile.builders import OpFromGraph
@@ -34,23 +32,10 @@ from pytensor.graph.traversal import graph_inputs, io_toposort
 from pytensor.scalar import Abs, Neg, Softplus
 from pytensor.tensor.elemwise import Elemwise
 
+from pymc_mcssvi.quadrature_rules import gauss_hermite
 from pymc_mcssvi.recognize.vectorize import vectorize_graph
 
-__all__ = ["expected_derivatives", "expected_pair_derivatives", "gauss_hermite"]
-
-
-@lru_cache(maxsize=32)
-def gauss_hermite(n: int) -> tuple[np.ndarray, np.ndarray]:
-    """Nodes and weights with ``sum(w * f(z)) ~= E[f(Z)]``, ``Z ~ N(0, 1)``.
-
-    Examples
-    --------
-    >>> z, w = gauss_hermite(10)
-    >>> round(float(np.sum(w * z**4)), 12)  # E[Z^4] = 3
-    3.0
-    """
-    z, w = np.polynomial.hermite_e.hermegauss(n)
-    return z, w / np.sqrt(2.0 * np.pi)
+__all__ = ["expected_derivatives", "expected_pair_derivatives"]
 
 
 def derivative_graphs(logp, placeholder):

@@ -24,8 +24,8 @@ from xarray import DataArray, Dataset
 
 from pymc_mcssvi.algorithms.marginal import grid_interpolation, node_interpolation, table_transform
 from pymc_mcssvi.algorithms.profile_grid import conditional_transform
+from pymc_mcssvi.backend.modes import graph_building
 from pymc_mcssvi.families.gaussian import GaussianBlocks, covariance, sample
-from pymc_mcssvi.pymc.python_vm import graph_building
 
 __all__ = [
     "ConditionalView",

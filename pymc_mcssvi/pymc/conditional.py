@@ -42,7 +42,7 @@ from threadpoolctl import threadpool_limits
 from pymc_mcssvi.algorithms.hyperparameters import shapes_at_fixed
 from pymc_mcssvi.algorithms.marginal import REFIT_TOL, refit_graph
 from pymc_mcssvi.algorithms.profile_grid import LADDER
-from pymc_mcssvi.pymc.python_vm import graph_building, python_few_calls_mode
+from pymc_mcssvi.backend.modes import graph_building, python_few_calls_mode
 from pymc_mcssvi.recognize.vectorize import vectorize_graph
 
 __all__ = [

@@ -27,6 +27,7 @@ from pytensor.compile.mode import Mode, get_mode
 from pytensor.graph.replace import graph_replace
 from pytensor.graph.rewriting.basic import in2out
 from pytensor.graph.traversal import ancestors
+from pytensor.tensor.random.type import RandomType
 from rich.console import Console
 from rich.progress import Progress, TextColumn
 from threadpoolctl import threadpool_limits
@@ -88,6 +89,16 @@ from pymc_mcssvi.algorithms.profile_grid import (
 from pymc_mcssvi.algorithms.rayleigh import RayleighGlobals
 from pymc_mcssvi.algorithms.schedules import make_schedule
 from pymc_mcssvi.algorithms.sdsvi import SDSVIStep
+from pymc_mcssvi.backend.modes import (  # noqa: F401  (re-exported: older import path)
+    HELPER_MODE,
+    graph_building,
+    per_element_ops,
+    python_few_calls_mode,
+    python_step_mode,
+    structure_rewrites,
+    trigamma_as_polygamma,
+    without_structure_rewrites,
+)
 from pymc_mcssvi.bounds.structured import StructuredBound
 from pymc_mcssvi.estimators.general import flat_indices
 from pymc_mcssvi.estimators.quadrature import softplus_of_nonpositive
@@ -116,17 +127,8 @@ from pymc_mcssvi.pymc.locals import (
     initial_local_params,
     local_posteriors,
 )
-from pymc_mcssvi.pymc.python_vm import (  # noqa: F401  (re-exported: older import path)
-    HELPER_MODE,
-    graph_building,
-    per_element_ops,
-    python_few_calls_mode,
-    python_step_mode,
-    structure_rewrites,
-    trigamma_as_polygamma,
-    without_structure_rewrites,
-)
 from pymc_mcssvi.recognize.graph import depends_on_any, evaluate_static, static_shape
+from pymc_mcssvi.recognize.ir import Segment
 from pymc_mcssvi.recognize.model import MIXED_BILINEAR, check_data, recognize
 from pymc_mcssvi.recognize.vectorize import vectorize_graph
 
@@ -254,7 +256,7 @@ class _UpgradingStep:
     PyTensor's canonicalization of a step graph (800-1,300 nodes) costs 1.2-2.5 s
     more than merging alone and makes each iteration 1.3-1.4x cheaper (the six
     GLMMs of ``benchmarks/glmm.py``, nodes run by
-    :func:`~pymc_mcssvi.pymc.python_vm.python_linker`: 9-21 ms saved per
+    :func:`~pymc_mcssvi.backend.modes.python_linker`: 9-21 ms saved per
     iteration, e.g. Contraception 41 -> 29 ms), so it pays for itself
     after 117-143 iterations (measured twice in-process on the six; 55-70 when
     the nodes ran from PyTensor's Python loop, whose per-node cost the extra
@@ -323,7 +325,6 @@ class _HostStateStep:
     """
 
     def __init__(self, fn):
-        from pytensor.tensor.random.type import RandomType
 
         self.fn = fn
         self.maker = fn.maker
@@ -874,8 +875,6 @@ class StructuredVI(Inference):
                 [h.rv for h in tlm.hypers], model=self.model, point=k.hypers.base
             )
         elif tlm.hypers:
-            from pymc_mcssvi.recognize.ir import Segment
-
             n = k.hypers.spec.size
             seg = Segment("full", 1, n, [0])
             lr = self.linear_response and k.coupled

@@ -29,8 +29,8 @@ import pytensor
 import pytensor.tensor as pt
 from pymc.variational.opvi import Group, node_property
 
-from pymc_mcssvi.bounds.locals import in_local_layout, laplace_nodes
 from pymc_mcssvi.recognize.graph import as_float, remove_checks, shape64
+from pymc_mcssvi.recognize.marginalize import in_local_layout, laplace_nodes
 from pymc_mcssvi.recognize.roles import dist_params
 from pymc_mcssvi.recognize.stabilize import stable_logp
 from pymc_mcssvi.recognize.vectorize import vectorize_graph
@@ -206,7 +206,7 @@ def _batch_draws(per_draw: int) -> int:
 
 def _observed_logp(model, lc):
     """Elementwise log likelihood of the observed variable local ``lc`` belongs to, in
-    the local's layout (:func:`~pymc_mcssvi.bounds.locals.in_local_layout`)."""
+    the local's layout (:func:`~pymc_mcssvi.recognize.marginalize.in_local_layout`)."""
     obs = model[lc.observed]
     # Stable, ufunc-only form: PyTensor's scalar softplus runs a Python call per element.
     logp_y = stable_logp(remove_checks(model.logp(vars=[obs], sum=False)[0]))
@@ -232,7 +232,7 @@ def _draw_average(values, outputs, samples, names, draws, per_draw):
 def _gaussian_local_moments(model, lc, n_inner):
     """Graphs of the mean and second moment of Gaussian local ``lc`` given the other
     free variables' values (adaptive Gauss-Hermite quadrature of its observed's
-    likelihood, :func:`~pymc_mcssvi.bounds.locals.laplace_nodes`)."""
+    likelihood, :func:`~pymc_mcssvi.recognize.marginalize.laplace_nodes`)."""
     logp_y = _observed_logp(model, lc)
     loc, scale = (
         pt.broadcast_to(as_float(p), shape64(lc.shape))

@@ -16,6 +16,8 @@ import pymc as pm
 import pymc.variational as pmv
 import pymc.variational.inference as pmvi
 
+from pymc_mcssvi.pymc.inference import HMCSSVI, MCSSVI, SDSVI, StructuredVI
+
 __all__ = ["METHODS", "fit", "register"]
 
 METHODS: dict[str, type] = {}
@@ -42,7 +44,6 @@ def fit(
     (``pm.fit(method="hmcssvi", hyper="point")``). Other methods behave
     exactly as in PyMC.
     """
-    from pymc_mcssvi.pymc.inference import StructuredVI
 
     name = method.lower() if isinstance(method, str) else None
     if name in METHODS or isinstance(method, StructuredVI):
@@ -103,7 +104,6 @@ def _name_of(cls) -> str:
 
 def register():
     """Install :func:`fit` as ``pm.fit`` (idempotent)."""
-    from pymc_mcssvi.pymc.inference import HMCSSVI, MCSSVI, SDSVI
 
     METHODS.update({"mcssvi": MCSSVI, "hmcssvi": HMCSSVI, "sdsvi": SDSVI})
     for mod in (pm, pmv, pmvi):

@@ -33,6 +33,8 @@ from pytensor.graph.basic import Variable
 from pytensor.graph.replace import graph_replace
 from pytensor.graph.traversal import ancestors
 from pytensor.scalar import basic as ps
+from pytensor.sparse import dense_from_sparse
+from pytensor.sparse.type import SparseTensorType
 from pytensor.tensor.basic import Alloc, Join, MakeVector
 from pytensor.tensor.blockwise import Blockwise
 from pytensor.tensor.elemwise import DimShuffle, Elemwise
@@ -338,8 +340,6 @@ class _Linearizer:
         """A product with a sparse data matrix (``pytensor.sparse.structured_dot(X, w)``,
         ``pm.math.dot`` of a sparse ``X``): the same product with ``X`` dense, up to
         :data:`SPARSE_AS_DENSE_ENTRIES` entries."""
-        from pytensor.sparse import dense_from_sparse
-        from pytensor.sparse.type import SparseTensorType
 
         parts = []
         for x in node.inputs:

@@ -11,6 +11,8 @@ import pytensor
 
 from pymc_mcssvi.recognize.graph import evaluate_static
 from pymc_mcssvi.recognize.ir import TwoLevelModel
+from pymc_mcssvi.recognize.layout import arrow_head
+from pymc_mcssvi.recognize.model import recognize
 from pymc_mcssvi.recognize.roles import dist_name
 
 __all__ = ["ModelDescription", "describe"]
@@ -148,9 +150,6 @@ def describe(model: pm.Model | None = None, cov=None, *, show: bool = False) -> 
     >>> d.role("a"), d.role("sd"), d.predictor("y")
     ('gaussian global', 'hyperparameter', 'dense affine + gather')
     """
-    from pymc_mcssvi.algorithms.arrow import arrow_head
-    from pymc_mcssvi.recognize.model import recognize
-
     model = pm.modelcontext(model)
     t0 = time.perf_counter()
     with pytensor.config.change_flags(mode="FAST_COMPILE"):

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import numpy as np
+import pytensor
 import pytensor.tensor as pt
 from pymc.logprob.utils import CheckParameterValue
 from pytensor.compile.sharedvalue import SharedVariable
 from pytensor.graph.basic import Constant, Variable
 from pytensor.graph.replace import graph_replace
+from pytensor.graph.rewriting.utils import rewrite_graph
 from pytensor.graph.traversal import ancestors, graph_inputs, io_toposort
 from pytensor.scalar import basic as ps
 from pytensor.tensor.basic import Alloc
@@ -16,6 +18,7 @@ from pytensor.tensor.math import Sum
 from pytensor.tensor.shape import Shape, Shape_i, SpecifyShape
 from pytensor.tensor.sharedvar import TensorSharedVariable
 from pytensor.tensor.special import LogSumExp
+from pytensor.tensor.subtensor import AdvancedSubtensor
 
 __all__ = [
     "depends_on_any",
@@ -65,7 +68,6 @@ _AFFINE_SCALAR_OPS = (ps.Add, ps.Sub, ps.Mul, ps.Neg, ps.Identity, ps.Cast, ps.T
 
 def gather_index(node):
     """The index of ``x[idx]`` (an integer vector along the leading axis only), else None."""
-    from pytensor.tensor.subtensor import AdvancedSubtensor
 
     # ``idx_list == (0,)``: the one index input, on the leading axis
     if isinstance(node.op, AdvancedSubtensor) and tuple(node.op.idx_list) == (0,):
@@ -146,8 +148,6 @@ def evaluate_static(exprs: list[Variable], mode="FAST_COMPILE") -> list[np.ndarr
     pytensor.graph.fg.MissingInputError
         A graph needs the value of a free variable.
     """
-    import pytensor
-    from pytensor.graph.rewriting.utils import rewrite_graph
 
     try:
         return pytensor.function([], exprs, mode=mode)()
@@ -230,7 +230,6 @@ def is_entrywise(logp: Variable, var: Variable, point: dict, base=None, n_probe:
     few entries: changing ``var[j]`` must change ``logp[j]`` (or nothing) and no
     other entry.
     """
-    import pytensor
 
     inputs = [
         v

@@ -16,8 +16,10 @@ from pymc_mcssvi.recognize.ir import GaussianGlobal, Segment
 
 __all__ = [
     "ARROW_FULL_DIM",
+    "ARROW_MAX_HEAD",
     "MAX_CROSSED_FULL_DIM",
     "MAX_FULL_DIM",
+    "arrow_head",
     "build_segments",
     "resolve_structure",
 ]
@@ -200,3 +202,27 @@ def build_segments(
             seg.col_of[i] = j % k
         segments.append(seg)
     return segments
+
+
+#: Largest head (full segment) for which the arrow coupling is used.
+ARROW_MAX_HEAD = 256
+
+
+def arrow_head(tlm) -> int | None:
+    """Segment index of the arrow's head in a recognized model, or ``None``.
+
+    The head is the one full segment (the fixed effects) when some predictor
+    term reads it together with a block or diagonal segment (random effects of
+    many groups). Matrix factorizations (their own phases) and heads above
+    :data:`ARROW_MAX_HEAD` dimensions are left block diagonal.
+    """
+    full = [s for s, seg in enumerate(tlm.segments) if seg.kind == "full"]
+    if len(full) != 1 or tlm.bilinear_terms or tlm.segments[full[0]].dim > ARROW_MAX_HEAD:
+        return None
+    (head,) = full
+    seg_of = {gid: s for s, seg in enumerate(tlm.segments) for gid in seg.members}
+    for term in tlm.predictor_terms + [p.parts[2] for p in tlm.pair_terms]:
+        segs = {seg_of[t.source] for t in term.terms}
+        if head in segs and len(segs) > 1:
+            return head
+    return None

@@ -16,11 +16,16 @@ from pytensor.graph.fg import MissingInputError
 from pytensor.graph.replace import graph_replace
 from pytensor.graph.traversal import ancestors, graph_inputs, io_toposort
 from pytensor.scalar import basic as ps
+from pytensor.scalar.basic import Cast
 from pytensor.tensor.blockwise import Blockwise
 from pytensor.tensor.elemwise import DimShuffle, Elemwise
 from pytensor.tensor.math import Dot, Sum
+from pytensor.tensor.shape import Shape, Shape_i
+from pytensor.tensor.subtensor import AdvancedSubtensor
 
+from pymc_mcssvi.exceptions import UnsupportedModelError
 from pymc_mcssvi.recognize.affine import LinearTerm, _add_offsets, _Linearizer
+from pymc_mcssvi.recognize.dense_product import flatten_dense_product
 from pymc_mcssvi.recognize.graph import (
     depends_on_any,
     evaluate_static,
@@ -28,7 +33,7 @@ from pymc_mcssvi.recognize.graph import (
     is_separable,
     shape64,
 )
-from pymc_mcssvi.recognize.ir import PairTerm, PredictorTerm
+from pymc_mcssvi.recognize.ir import BilinearTerm, PairTerm, PredictorTerm
 from pymc_mcssvi.recognize.stabilize import stable_logp
 
 __all__ = [
@@ -100,7 +105,7 @@ def split_broadcast_addends(logp: Variable, lin: _Linearizer):
     """``(logp, cores)``: ``logp`` with each maximal affine sum split into its part in the
     globals (a core, kept at its own smaller shape) plus the rest.
 
-    A local integrated out by quadrature (:func:`~pymc_mcssvi.bounds.locals.marginal_logp`)
+    A local integrated out by quadrature (:func:`~pymc_mcssvi.recognize.marginalize.marginal_logp`)
     puts its nodes into the sum that forms the predictor: an observation-level random
     effect ``exp(X @ b + u[g] + e)`` becomes one flat ``add(b0, X @ b, u[g], s_e * nodes)``
     of shape ``(nodes, rows)``, whose entries are not separable (each row's log density
@@ -298,9 +303,6 @@ def is_smooth_in(logp: Variable, x: Variable) -> bool:
     >>> is_smooth_in(pt.log(pt.abs(pt.exp(f))), f)  # |exp(f)| is exp(f)
     True
     """
-    from pytensor.graph.traversal import io_toposort
-    from pytensor.tensor.elemwise import Elemwise
-    from pytensor.tensor.shape import Shape, Shape_i
 
     depends = {x}
     for node in io_toposort([x], [logp]):
@@ -347,7 +349,6 @@ def check_gather_indices(name: str, logp: Variable, gvalues) -> None:
     PyTensor's constant folding or the compiled step (matrix factorizations and
     general terms have no affine gathers for :func:`check_indices`).
     """
-    from pytensor.tensor.subtensor import AdvancedSubtensor
 
     values = list(gvalues)
     for node in io_toposort(graph_inputs([logp]), [logp]):
@@ -374,7 +375,6 @@ def validate_index(name: str, idx, length, indexed: list[str]) -> None:
     index cast to integers (``g.astype("int64")`` of 1.5 is group 1); all are
     user errors. Indices that depend on free variables are not checked.
     """
-    from pymc_mcssvi.exceptions import UnsupportedModelError
 
     what = ", ".join(repr(v.removesuffix("_log__")) for v in indexed)
     for cast in _float_to_int_casts(idx):
@@ -418,7 +418,6 @@ def validate_index(name: str, idx, length, indexed: list[str]) -> None:
 
 def _float_to_int_casts(idx):
     """Float inputs of integer casts on the way to an index (``g.astype("int64")``)."""
-    from pytensor.scalar.basic import Cast
 
     found = []
     for v in ancestors([idx]):
@@ -531,8 +530,6 @@ def bilinear_term(
     on the globals only through the product, elementwise. Returns None
     otherwise (the caller then uses the general path).
     """
-    from pymc_mcssvi.recognize.dense_product import flatten_dense_product
-    from pymc_mcssvi.recognize.ir import BilinearTerm
 
     if logp.ndim in (1, 2):  # a dense product, of all entries or of the observed ones
         flat = flatten_dense_product(logp, {v: gshapes[v] for v in gvalues})

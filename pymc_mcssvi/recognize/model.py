@@ -14,14 +14,16 @@ import warnings
 
 import numpy as np
 import pymc as pm
+import pytensor
 import pytensor.tensor as pt
 from pymc.data import MinibatchOp
 from pymc.variational.minibatch_rv import MinibatchRandomVariable
 from pytensor.graph.basic import Constant
+from pytensor.graph.fg import MissingInputError
 from pytensor.graph.traversal import ancestors, graph_inputs, io_toposort
+from pytensor.tensor.random.op import RandomVariable
 from pytensor.tensor.sharedvar import TensorSharedVariable
 
-from pymc_mcssvi.bounds.locals import marginal_logp
 from pymc_mcssvi.exceptions import UnsupportedModelError
 from pymc_mcssvi.recognize.affine import linearize
 from pymc_mcssvi.recognize.graph import (
@@ -39,6 +41,7 @@ from pymc_mcssvi.recognize.ir import (
     TwoLevelModel,
 )
 from pymc_mcssvi.recognize.layout import (
+    ARROW_MAX_HEAD,
     MAX_CROSSED_FULL_DIM,
     SMALL_GLOBAL,
     build_segments,
@@ -53,6 +56,7 @@ from pymc_mcssvi.recognize.likelihood import (
     likelihood_term,
     pair_term,
 )
+from pymc_mcssvi.recognize.marginalize import marginal_logp
 from pymc_mcssvi.recognize.roles import (
     NON_GAUSSIAN_PRIORS,
     assign_roles,
@@ -97,7 +101,7 @@ def recognize(
         Covariance structure of q per Gaussian global (see
         :func:`~pymc_mcssvi.recognize.layout.resolve_structure`).
     bound : {"optimal", "jensen"}
-        How local latents are marginalized (:mod:`pymc_mcssvi.bounds.locals`).
+        How local latents are marginalized (:mod:`pymc_mcssvi.recognize.marginalize`).
     inner, n_inner
         Inner quadrature (``"quadrature"``) or Monte Carlo (``"mc"``) for
         Gaussian locals, and its number of nodes or draws.
@@ -345,7 +349,6 @@ def _check_observed_shapes(model):
     "operands could not be broadcast together". The shapes of all likelihoods are
     evaluated at once (one variable at a time when some need a free variable's value).
     """
-    from pytensor.tensor.random.op import RandomVariable
 
     checks = []
     for obs in model.observed_RVs:
@@ -609,9 +612,6 @@ def _check_marginal_finite(logp, lc, obs, point):
     positive link, a Beta mean ...) gets ``log 0`` at the quadrature nodes that
     fall outside its support: the Gaussian local cannot be integrated out.
     """
-    import pytensor
-    from pytensor.graph.traversal import graph_inputs
-    from pytensor.tensor.sharedvar import TensorSharedVariable
 
     inputs = [v for v in graph_inputs([logp]) if not isinstance(v, Constant | TensorSharedVariable)]
     try:
@@ -705,7 +705,6 @@ def _crossed_factors(
 def _rows_per_level(term) -> float:
     """Mean number of rows per level a gather reads (infinite when its index is not
     fixed data)."""
-    from pytensor.graph.fg import MissingInputError
 
     try:
         (cols,) = evaluate_static([term.cols])
@@ -763,8 +762,6 @@ def _arrow_suffices(terms: list[PredictorTerm], gaussians) -> bool:
     no observation reads two grouping factors at different rows and that no term is
     general or bilinear.
     """
-    from pymc_mcssvi.algorithms.arrow import ARROW_MAX_HEAD
-
     body = {i for i, g in enumerate(gaussians) if g.size > SMALL_GLOBAL}
     if not body or any(gaussians[i].prior not in _ROW_INDEPENDENT_PRIORS for i in body):
         return False
@@ -814,7 +811,6 @@ def _gather_rows(tts, gaussians) -> list[np.ndarray] | None:
     """The rows of its global each gather term reads, per observation (its flat
     columns over the global's row width), or ``None`` when they depend on free
     variables."""
-    import pytensor
 
     exprs = []
     for tt in tts:

@@ -32,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+import pytensor
 import pytensor.tensor as pt
 from pymc.distributions.continuous import (
     AsymmetricLaplaceRV,
@@ -51,7 +52,7 @@ from pymc.logprob.abstract import _logprob
 from pymc.variational.minibatch_rv import MinibatchRandomVariable
 from pytensor.compile.rewriting import inline_ofg_node
 from pytensor.graph.basic import Constant
-from pytensor.graph.traversal import ancestors
+from pytensor.graph.traversal import ancestors, graph_inputs
 from pytensor.tensor.elemwise import DimShuffle, Elemwise
 from pytensor.tensor.random.basic import (
     BernoulliRV,
@@ -64,6 +65,7 @@ from pytensor.tensor.random.basic import (
     StudentTRV,
 )
 from pytensor.tensor.random.type import RandomType
+from pytensor.tensor.sharedvar import TensorSharedVariable
 
 from pymc_mcssvi.distributions import RayleighRV
 from pymc_mcssvi.exceptions import UnsupportedModelError
@@ -167,9 +169,6 @@ def rayleigh_scale(rv):
 
 
 def _check_positive_scale(name, scale, point):
-    import pytensor
-    from pytensor.graph.traversal import graph_inputs
-    from pytensor.tensor.sharedvar import TensorSharedVariable
 
     inputs = [
         v for v in graph_inputs([scale]) if not isinstance(v, Constant | TensorSharedVariable)

@@ -352,7 +352,7 @@ def softplus_to_ufuncs(fgraph, node):
     overflow for large ``x``, full relative accuracy for very negative ``x``),
     written with operations that have NumPy ufuncs: PyTensor's scalar softplus
     has none and runs as a Python loop per element when the step is not
-    compiled (also part of :data:`pymc_mcssvi.pymc.python_vm.UFUNC_REWRITES`).
+    compiled (also part of :data:`pymc_mcssvi.backend.modes.UFUNC_REWRITES`).
     """
     if not isinstance(node.op.scalar_op, ps_math.Softplus):
         return None

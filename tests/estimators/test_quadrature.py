@@ -6,7 +6,8 @@ import pytensor.tensor as pt
 import pytest
 from scipy import integrate, stats
 
-from pymc_mcssvi.estimators.quadrature import expected_derivatives, gauss_hermite
+from pymc_mcssvi.estimators.quadrature import expected_derivatives
+from pymc_mcssvi.quadrature_rules import gauss_hermite
 
 
 def test_gauss_hermite_moments():

@@ -10,9 +10,9 @@ import pytensor.tensor as pt
 import pytest
 from pytensor.tensor.slinalg import SolveTriangular
 
+from pymc_mcssvi.backend.modes import python_few_calls_mode, python_step_mode
 from pymc_mcssvi.families.batched import _StackedLinalg
 from pymc_mcssvi.families.gaussian import GaussianBlocks, cholesky, covariance
-from pymc_mcssvi.pymc.python_vm import python_few_calls_mode, python_step_mode
 
 MODES = {
     "python_step": python_step_mode,

@@ -187,7 +187,7 @@ def test_named_backends_skip_the_matrix_structure_rewrites():
     passes is used as given."""
     from pytensor.compile.mode import get_mode
 
-    from pymc_mcssvi.pymc.python_vm import structure_rewrites
+    from pymc_mcssvi.backend.modes import structure_rewrites
 
     names = set(structure_rewrites())
     assert names  # the set the exclusion is about is not empty

@@ -8,7 +8,7 @@ import pytest
 from scipy.special import polygamma
 
 import pymc_mcssvi
-from pymc_mcssvi.pymc.python_vm import per_element_ops, python_step_mode
+from pymc_mcssvi.backend.modes import per_element_ops, python_step_mode
 
 
 def test_trigamma_is_a_scipy_ufunc():
@@ -136,7 +136,7 @@ def test_python_backend_runs_its_nodes_in_the_c_loop(monkeypatch):
     whole fit (profile included) is the same as with the Python loop."""
     from pytensor.link.vm import VMLinker
 
-    from pymc_mcssvi.pymc import python_vm
+    from pymc_mcssvi.backend import modes as python_vm
 
     def fit():
         with _gaussian_lmm():

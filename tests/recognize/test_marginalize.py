@@ -8,7 +8,7 @@ import pytest
 from scipy import integrate, stats
 
 import pymc_mcssvi
-from pymc_mcssvi.bounds.locals import marginal_logp
+from pymc_mcssvi.recognize.marginalize import marginal_logp
 from pymc_mcssvi.recognize.roles import assign_roles
 
 Y = {"poisson_softplus": 3, "bernoulli": 1, "studentt": 1.3, "normal": 0.4}

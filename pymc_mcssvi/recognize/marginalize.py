@@ -34,6 +34,7 @@ import pytensor.tensor as pt
 from pymc.variational.minibatch_rv import MinibatchRandomVariable, get_scaling
 from pytensor.compile.ops import ViewOp
 from pytensor.gradient import disconnected_grad
+from pytensor.graph.fg import MissingInputError
 from pytensor.graph.replace import graph_replace
 from pytensor.graph.traversal import graph_inputs, io_toposort
 from pytensor.scalar import basic as ps
@@ -41,8 +42,8 @@ from pytensor.tensor.elemwise import DimShuffle, Elemwise
 from pytensor.tensor.random.basic import NormalRV
 from pytensor.tensor.shape import Reshape, SpecifyShape
 
-from pymc_mcssvi.estimators.quadrature import gauss_hermite
 from pymc_mcssvi.exceptions import UnsupportedModelError
+from pymc_mcssvi.quadrature_rules import gauss_hermite
 from pymc_mcssvi.recognize.graph import (
     as_float,
     depends_on_any,
@@ -408,7 +409,6 @@ def _scale_of(x, value):
 def _has_zeros(b) -> bool:
     """Whether a factor of the scale ``b`` that depends on no free variable (data,
     constants) has zeros (``sigma * x`` with a binary ``x``)."""
-    from pytensor.graph.fg import MissingInputError
 
     factors, todo = [], [b]
     while todo:

@@ -5,7 +5,7 @@ from ``benchmarks/glmm.py``; ``nc`` / ``c`` for the non-centered / centered mode
 the number of fits in one process: the first is cold, the rest warm). Each line
 gives the whole ``pm.fit`` wall time and, in seconds, the phases timed around the
 inference's methods (the iterations are the rest: wall minus the phases listed
-outside ``_fit_hyper_marginal``, whose sub-phases are listed after it).
+outside ``compute`` (the hyperparameters' posterior), whose sub-phases are listed after it).
 """
 
 from __future__ import annotations
@@ -40,17 +40,19 @@ def timed(owner, name):
 def main(argv):
     import pymc as pm
 
-    from pymc_mcssvi.algorithms import marginal
+    from pymc_mcssvi.posterior import hyper_marginal, marginal
     from pymc_mcssvi.pymc import inference
 
     warnings.simplefilter("ignore")
     data_name, param = argv[0], argv[1]
     fits = int(argv[2]) if len(argv) > 2 else 2
-    for name in ("__init__", "_step_function", "_fit_hyper_marginal", "_profile_grid"):
+    for name in ("__init__", "_step_function"):
         timed(inference.StructuredVI, name)
+    for name in ("compute", "_profile_grid"):
+        timed(hyper_marginal.HyperMarginal, name)
     timed(marginal.ConditionalProfile, "along_axes")
     timed(marginal.ConditionalProfile, "hessian")
-    timed(inference, "_node_moments")
+    timed(hyper_marginal, "_node_moments")
     model = glmm.build_model(glmm.LOADERS[data_name](0), param == "c")
     glmm.process_warmup()
     for i in range(fits):
@@ -59,9 +61,7 @@ def main(argv):
         with model:
             approx = pm.fit(method="hmcssvi", random_seed=1, progressbar=False)
         wall = time.perf_counter() - t0
-        outside = sum(
-            PHASES.get(k, 0.0) for k in ("__init__", "_step_function", "_fit_hyper_marginal")
-        )
+        outside = sum(PHASES.get(k, 0.0) for k in ("__init__", "_step_function", "compute"))
         phases = " ".join(f"{k}={v:.2f}" for k, v in PHASES.items())
         print(
             f"{data_name} {param} fit {i} ({'cold' if i == 0 else 'warm'}): wall {wall:.2f} s, "

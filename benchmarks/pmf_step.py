@@ -35,13 +35,13 @@ def main(argv):
         t0 = time.perf_counter()
         inf = getattr(pymc_mcssvi, method)(random_seed=0, start=pmf.start_values(ds, 0), **kw)
         t1 = time.perf_counter()
-        step = inf._compile_step("jax", {})
+        step = inf._compile("jax", {})
         t2 = time.perf_counter()
         step()
         t3 = time.perf_counter()
         times = {0: [], 1: []}
         for _ in range(20):
-            moving = (int(inf.kernel.phase.get_value()) + 1) % 2  # 0: V moves, 1: U
+            moving = (int(inf.store.symbolic.phase.get_value()) + 1) % 2  # 0: V moves, 1: U
             a = time.perf_counter()
             step()
             times[moving].append(time.perf_counter() - a)

@@ -21,9 +21,12 @@ cutpoints, LKJ factors ...) are collected in one unconstrained vector ``h``
     global with ``g_h = E[grad_h B]`` and ``H_h = E[hess_h B]``, the latter from
     gradients only through Stein's lemma.
 
-Both modes expose the same three methods to the step kernel: ``evaluate``
+Both modes are components of the step kernel with the same small interface over
+their explicit state (:mod:`~pymc_mcssvi.algorithms.state`): ``evaluate``
 (replace the hyperparameter value variables in the bound graphs and return
-averaged outputs), ``updates`` (accept/reject and step) and ``reset``.
+averaged outputs and the derivatives in ``h``), ``accept`` (the accepted state
+after the candidate's verdict), ``step`` (the next candidate) and, on values,
+``init_state`` and ``reset``.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from pytensor.tensor.shape import Reshape, Shape, Shape_i
 
 from pymc_mcssvi.algorithms.arrow import arrow_solve
 from pymc_mcssvi.algorithms.optimizers import Optimizer
+from pymc_mcssvi.algorithms.state import GaussianHyperState, PointHyperState
 from pymc_mcssvi.families.gaussian import (
     GaussianBlocks,
     bmm,
@@ -294,11 +298,6 @@ def _sized_by(h, outputs) -> bool:
     return False
 
 
-def _shared(value, name):
-    value = np.asarray(value, dtype="float64")
-    return pytensor.shared(value, name=name, shape=value.shape)
-
-
 def _finite(*xs):
     return pt.all(pt.stack([pt.all(pt.isfinite(x)) for x in xs]))
 
@@ -503,89 +502,122 @@ def twice_differentiable_products(outputs):
 
 
 class PointHyperparameters:
-    """Type-II ML / MAP estimates of the hyperparameters (see the module docstring)."""
+    """Type-II ML / MAP estimates of the hyperparameters (see the module docstring).
+
+    A component of the step (:class:`~pymc_mcssvi.algorithms.kernel.StepKernel`):
+    its state is a :class:`~pymc_mcssvi.algorithms.state.PointHyperState`, and
+    :meth:`evaluate`, :meth:`accept` and :meth:`step` are pure functions of it.
+    """
 
     mode = "point"
 
     def __init__(self, spec: HyperSpec):
         self.spec = spec
-        n = spec.size
-        self.base = _shared(spec.init, "base_hyper")
-        self.cand = _shared(spec.init, "cand_hyper")
-        self.base_grad = _shared(np.zeros(n), "base_hyper_grad")
-        self.base_hess = _shared(-np.eye(n), "base_hyper_hess")
-        opt0 = spec.optimizer.init(spec.init) if spec.optimizer else ()
-        self.base_opt = tuple(_shared(x, f"base_hyper_opt_{i}") for i, x in enumerate(opt0))
-        self.cand_opt = tuple(_shared(x, f"cand_hyper_opt_{i}") for i, x in enumerate(opt0))
 
-    def evaluate(self, outputs, n_values=1):
+    def init_state(self) -> PointHyperState:
+        spec, n = self.spec, self.spec.size
+        init = np.asarray(spec.init, dtype="float64")
+        opt0 = tuple(spec.optimizer.init(init)) if spec.optimizer else ()
+        return PointHyperState(init, init, np.zeros(n), -np.eye(n), opt0, opt0)
+
+    def reset(self, state: PointHyperState) -> PointHyperState:
+        """The candidate back at the accepted estimate (values)."""
+        return state._replace(cand=np.copy(state.base), cand_opt=tuple(state.base_opt))
+
+    def evaluate(self, state: PointHyperState, outputs, n_values=1):
         """Outputs at the candidate ``h``, plus finiteness and the derivatives in ``h``."""
-        outs = graph_replace(outputs, self.spec.replacements(self.cand), strict=False)
+        outs = graph_replace(outputs, self.spec.replacements(state.cand), strict=False)
         if self.spec.optimizer is None:  # the Newton step differentiates twice
             outs = twice_differentiable_products(outs)
         value = outs[0]
         ok = pt.isfinite(value)
-        grad = pt.grad(pt.switch(ok, value, 0.0), self.cand)
-        hess = jacobian(grad, self.cand) if self.spec.optimizer is None else None
+        grad = pt.grad(pt.switch(ok, value, 0.0), state.cand)
+        hess = jacobian(grad, state.cand) if self.spec.optimizer is None else None
         finite = _finite(grad) if hess is None else _finite(grad, hess)
         return outs, finite, (grad, hess)
 
-    def updates(self, accept, rho, scale, t, aux, coupling=None):
-        """Accept/reject and the next candidate; returns ``(updates, None)``."""
+    def accept(self, state: PointHyperState, accept, aux) -> PointHyperState:
+        """The accepted estimate, gradient and Hessian after the candidate's verdict."""
         grad, hess = aux
         sel = lambda a, b: pt.switch(accept, a, b)  # noqa: E731
-        g = sel(grad, self.base_grad)
-        h_base = sel(self.cand, self.base)
-        up = {self.base: h_base, self.base_grad: g}
-        if self.spec.optimizer is None:
-            H = sel(hess, self.base_hess)
-            up[self.base_hess] = H
-            delta = rho * newton_direction(_safe(g), _safe(H))
-        else:
-            opt = self.spec.optimizer
-            restarted = opt.restart(self.base_opt)
-            state = tuple(
-                pt.switch(accept, c, b) for c, b in zip(self.cand_opt, restarted, strict=True)
+        base_opt = state.base_opt
+        if self.spec.optimizer is not None:
+            restarted = self.spec.optimizer.restart(state.base_opt)
+            base_opt = tuple(
+                pt.switch(accept, c, b) for c, b in zip(state.cand_opt, restarted, strict=True)
             )
-            delta, nxt = opt.update(_safe(g), state, scale, t)
-            up.update(dict(zip(self.base_opt, state, strict=True)))
-            up.update(dict(zip(self.cand_opt, nxt, strict=True)))
-        up[self.cand] = h_base + _capped(delta, self.spec.max_step)
-        return up, None
+        return state._replace(
+            base=sel(state.cand, state.base),
+            grad=sel(grad, state.grad),
+            hess=sel(hess, state.hess) if self.spec.optimizer is None else state.hess,
+            base_opt=base_opt,
+        )
 
-    def reset(self):
-        self.cand.set_value(self.base.get_value())
-
-    def sampling_point(self):
-        """Shared vector of the accepted estimate (unconstrained)."""
-        return self.base
+    def step(self, state: PointHyperState, rho, scale, t, coupling=None):
+        """The next candidate from the accepted state; returns ``(state, None)``."""
+        if self.spec.optimizer is None:
+            delta = rho * newton_direction(_safe(state.grad), _safe(state.hess))
+            cand_opt = state.cand_opt
+        else:
+            delta, cand_opt = self.spec.optimizer.update(
+                _safe(state.grad), state.base_opt, scale, t
+            )
+            cand_opt = tuple(cand_opt)
+        cand = state.base + _capped(delta, self.spec.max_step)
+        return state._replace(cand=cand, cand_opt=cand_opt), None
 
 
 class MeanFieldHyperparameters:
-    """Gaussian q(h), independent of q(w), fitted with natural-gradient steps."""
+    """Gaussian q(h), independent of q(w), fitted with natural-gradient steps.
+
+    A component of the step with a :class:`~pymc_mcssvi.algorithms.state.GaussianHyperState`
+    (see :class:`PointHyperparameters`).
+    """
 
     mode = "meanfield"
 
     def __init__(self, spec: HyperSpec):
         self.spec = spec
-        n = spec.size
+        self.z, self.w = sigma_points(spec.size)
+
+    def init_state(self) -> GaussianHyperState:
+        spec, n = self.spec, self.spec.size
         L0 = np.eye(n)[None] / spec.init_sd
-        self.base_mean = _shared(spec.init[None], "base_hyper_mean")
-        self.base_factor = _shared(L0, "base_hyper_factor")
-        self.cand_mean = _shared(spec.init[None], "cand_hyper_mean")
-        self.cand_factor = _shared(L0, "cand_hyper_factor")
-        self.base_grad = _shared(np.zeros((1, n)), "base_hyper_grad")
-        self.base_hess = _shared(-np.eye(n)[None] / spec.init_sd**2, "base_hyper_hess")
-        self.z, self.w = sigma_points(n)
-        # Linear-response view (set by linear_response_state when the step is coupled).
-        self.lr_factor, self.lr_responses = None, []
+        init = np.asarray(spec.init, dtype="float64")[None]
+        return GaussianHyperState(
+            base_mean=init,
+            base_factor=L0,
+            cand_mean=init,
+            cand_factor=L0,
+            grad=np.zeros((1, n)),
+            hess=-np.eye(n)[None] / spec.init_sd**2,
+            lr_factor=None,
+            lr_responses=(),
+        )
+
+    def with_linear_response(self, state: GaussianHyperState, response_shapes):
+        """``state`` with the linear-response view (the coupled step keeps it):
+        ``lr_factor`` the lower Cholesky factor of the curvature in ``h`` with q(w)
+        eliminated (the precision of the linear-response q(h)), ``lr_responses``
+        ``P_w^{-1} B`` per segment (zero for segments that do not depend on ``h``)."""
+        n = self.spec.size
+        return state._replace(
+            lr_factor=np.eye(n)[None] / self.spec.init_sd,
+            lr_responses=tuple(np.zeros(shp) for shp in response_shapes),
+        )
+
+    def reset(self, state: GaussianHyperState) -> GaussianHyperState:
+        """The candidate back at the accepted q(h) (values)."""
+        return state._replace(
+            cand_mean=np.copy(state.base_mean), cand_factor=np.copy(state.base_factor)
+        )
 
     def _draws(self, state: GaussianBlocks):
         # h_j = mu + L^{-T} z_j
         A = pt.linalg.solve_triangular(state.factor[0], pt.eye(self.spec.size), lower=True).T
         return state.mean + pt.constant(self.z) @ A.T
 
-    def evaluate(self, outputs, n_values=1, cross=()):
+    def evaluate(self, state: GaussianHyperState, outputs, n_values=1, cross=()):
         """Sigma-point averages of the outputs and of the derivatives in ``h``.
 
         The entropy of q(h) is added to the first ``n_values`` outputs (bound values).
@@ -598,7 +630,7 @@ class MeanFieldHyperparameters:
         outs = graph_replace(outputs, self.spec.replacements(h), strict=False)
         value = outs[0]
         grad = pt.grad(pt.switch(pt.isfinite(value), value, 0.0), h)
-        st = GaussianBlocks(self.cand_mean, self.cand_factor)
+        st = GaussianBlocks(state.cand_mean, state.cand_factor)
         draws = self._draws(st)
         singles = [*outs, grad]
         if self.spec.fixed_shapes or _sized_by(h, singles):
@@ -633,8 +665,19 @@ class MeanFieldHyperparameters:
         finite = _finite(g_h, H_h, *[c for c in crosses if c is not None])
         return outs_avg, finite, (g_h, H_h, crosses)
 
-    def updates(self, accept, rho, scale, t, aux, coupling=None):
-        """Accept/reject and the next candidate of q(h).
+    def accept(self, state: GaussianHyperState, accept, aux) -> GaussianHyperState:
+        """The accepted q(h), gradient and Hessian after the candidate's verdict."""
+        g_h, H_h = aux[:2]
+        sel = lambda a, b: pt.switch(accept, a, b)  # noqa: E731
+        return state._replace(
+            base_mean=sel(state.cand_mean, state.base_mean),
+            base_factor=sel(state.cand_factor, state.base_factor),
+            grad=sel(g_h[None], state.grad),
+            hess=sel(H_h[None], state.hess),
+        )
+
+    def step(self, state: GaussianHyperState, rho, scale, t, coupling=None):
+        """The next candidate of q(h) from the accepted state.
 
         Parameters
         ----------
@@ -651,23 +694,19 @@ class MeanFieldHyperparameters:
 
         Returns
         -------
-        updates : dict
+        state : GaussianHyperState
         joint : JointStep or None
             With ``coupling``: the changes to add to each segment's mean and
             precision step.
         """
-        g_h, H_h = aux[:2]
-        sel = lambda a, b: pt.switch(accept, a, b)  # noqa: E731
-        mean = sel(self.cand_mean, self.base_mean)
-        factor = sel(self.cand_factor, self.base_factor)
-        g = sel(g_h[None], self.base_grad)
-        H = sel(H_h[None], self.base_hess)
-        nxt = natural_step(GaussianBlocks(mean, factor), _safe(g), _safe(H), rho)
+        mean, factor = state.base_mean, state.base_factor
+        nxt = natural_step(GaussianBlocks(mean, factor), _safe(state.grad), _safe(state.hess), rho)
         next_mean, joint = nxt.mean, None
+        lr_factor, lr_responses = state.lr_factor, state.lr_responses
         if coupling is not None:
             L_h = nxt.factor[0]
             joint = joint_newton_step(
-                _safe(g[0]), L_h @ L_h.T, rho, *coupling, max_step=self.spec.max_step
+                _safe(state.grad[0]), L_h @ L_h.T, rho, *coupling, max_step=self.spec.max_step
             )
             # A failed factorization (NaN) leaves the separate steps.
             ok = pt.all(pt.isfinite(joint.delta_h))
@@ -680,44 +719,18 @@ class MeanFieldHyperparameters:
                 shifts=zero_if_failed(joint.shifts),
                 precision_shifts=zero_if_failed(joint.precision_shifts),
             )
-            up_lr = self._linear_response_updates(ok, joint)
-        up = {
-            self.base_mean: mean,
-            self.base_factor: factor,
-            self.base_grad: g,
-            self.base_hess: H,
-            self.cand_mean: next_mean,
-            self.cand_factor: nxt.factor,
-        }
-        if joint is not None:
-            up.update(up_lr)
-        return up, joint
-
-    def linear_response_state(self, response_shapes):
-        """Shared variables of the linear-response view (created once, by the kernel).
-
-        ``lr_factor`` is the lower Cholesky factor of the curvature in ``h``
-        with q(w) eliminated (the precision of the linear-response q(h));
-        ``lr_responses`` hold ``P_w^{-1} B`` per segment (zero for segments
-        that do not depend on ``h``).
-        """
-        n = self.spec.size
-        self.lr_factor = _shared(np.eye(n)[None] / self.spec.init_sd, "lr_hyper_factor")
-        self.lr_responses = [
-            _shared(np.zeros(shp), f"lr_response_{s}") for s, shp in enumerate(response_shapes)
-        ]
-
-    def _linear_response_updates(self, ok, joint):
-        if self.lr_factor is None:
-            return {}
-        L = pt.linalg.cholesky(joint.curvature, lower=True, on_error="nan")
-        good = ok & pt.all(pt.isfinite(L))
-        up = {self.lr_factor: pt.switch(good, L[None], self.lr_factor)}
-        for sh, U in zip(self.lr_responses, joint.responses, strict=True):
-            if U is not None:
-                up[sh] = pt.switch(good, U, sh)
-        return up
-
-    def reset(self):
-        self.cand_mean.set_value(self.base_mean.get_value())
-        self.cand_factor.set_value(self.base_factor.get_value())
+            if state.lr_factor is not None:
+                L = pt.linalg.cholesky(joint.curvature, lower=True, on_error="nan")
+                good = ok & pt.all(pt.isfinite(L))
+                lr_factor = pt.switch(good, L[None], state.lr_factor)
+                lr_responses = tuple(
+                    sh if U is None else pt.switch(good, U, sh)
+                    for sh, U in zip(state.lr_responses, joint.responses, strict=True)
+                )
+        new = state._replace(
+            cand_mean=next_mean,
+            cand_factor=nxt.factor,
+            lr_factor=lr_factor,
+            lr_responses=lr_responses,
+        )
+        return new, joint

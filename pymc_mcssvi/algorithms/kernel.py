@@ -1,6 +1,7 @@
-r"""The compiled iteration: evaluate a candidate, accept or back off, step.
+r"""The step of a fit: evaluate a candidate, accept or back off, step.
 
-One call of the compiled function (one iteration) does::
+One iteration is the pure function :meth:`StepKernel.step` of the explicit
+:class:`~pymc_mcssvi.algorithms.state.KernelState`::
 
     evaluate bound, g, H (and the hyperparameter gradient) at the candidate
     accept  = bound is finite  and  (schedule not monotone  or  bound did not decrease)
@@ -9,22 +10,24 @@ One call of the compiled function (one iteration) does::
     scale   = grow / shrink the step-size multiplier
     candidate = algorithm.step(base, g, H, rho_t)     (and a hyperparameter step)
 
-so each iteration costs one bound evaluation and one step, a rejected candidate
-costs one iteration, and the approximation always holds the best accepted state.
-Because ``g`` and ``H`` of the base are cached, backing off needs no
-re-evaluation: the next candidate is the same natural step with a smaller ``rho``.
-A run of rejections that drives the step size to zero means the bound cannot be
-evaluated near the current state: the Python loop raises
-:class:`~pymc_mcssvi.exceptions.DivergenceError` and the base state is kept.
+compiled once into one PyTensor function that updates the state's shared
+variables in place (:class:`~pymc_mcssvi.algorithms.state.SharedState`) and
+returns a :class:`~pymc_mcssvi.algorithms.state.StepInfo`. Each iteration costs
+one bound evaluation and one step, a rejected candidate costs one iteration, and
+the base always holds the best accepted state. Because ``g`` and ``H`` of the base
+are cached, backing off needs no re-evaluation: the next candidate is the same
+natural step with a smaller ``rho``. A run of rejections that drives the step size
+to zero means the bound cannot be evaluated near the current state: the fit loop
+raises :class:`~pymc_mcssvi.exceptions.DivergenceError` and the base is kept.
 """
 
 from __future__ import annotations
 
 import numpy as np
-import pytensor
 import pytensor.tensor as pt
 
 from pymc_mcssvi.algorithms.arrow import Arrow, arrow_solve, arrow_view, schur_factor
+from pymc_mcssvi.algorithms.state import ArrowState, KernelState, QState, StepInfo, tree_map
 from pymc_mcssvi.families.gaussian import GaussianBlocks, bmv, cholesky, precision
 
 __all__ = ["MAX_COUPLED_HYPERS", "StepKernel"]
@@ -34,25 +37,21 @@ __all__ = ["MAX_COUPLED_HYPERS", "StepKernel"]
 MAX_COUPLED_HYPERS = 32
 
 
-def _shared(value, name):
-    value = np.asarray(value, dtype="float64")
-    return pytensor.shared(value, name=name, shape=value.shape)
-
-
 class StepKernel:
-    """Shared state and symbolic update of one structured-VI run.
+    """The configuration of one structured-VI run and its pure step function.
 
     Parameters
     ----------
     bound : StructuredBound
     algorithm : Algorithm
     schedule : Schedule
-    init_means, init_factors : list of np.ndarray
-        Initial q per segment (factor in the algorithm's parameterization).
     hypers : PointHyperparameters or MeanFieldHyperparameters or None
     monotone : bool
         Reject candidates whose bound is lower (valid when the bound estimate is
         deterministic: full batch and quadrature / fixed draws).
+    rayleighs : RayleighGlobals or None
+    shapes : tuple of list
+        The segments' mean and factor shapes, ``((R, K), ...)`` and ``((R, K, K), ...)``.
     """
 
     def __init__(
@@ -60,37 +59,20 @@ class StepKernel:
         bound,
         algorithm,
         schedule,
-        init_means,
-        init_factors,
         hypers=None,
         monotone=True,
         rayleighs=None,
+        nseg: int = 0,
     ):
         self.bound = bound
         self.rayleighs = rayleighs
         self.algorithm = algorithm
         self.schedule = schedule
-        self.hypers = hypers
         self.monotone = bool(monotone)
-        nseg = len(init_means)
-        self.base_mean = [_shared(m, f"base_mean_{s}") for s, m in enumerate(init_means)]
-        self.base_factor = [_shared(f, f"base_factor_{s}") for s, f in enumerate(init_factors)]
-        self.cand_mean = [_shared(m, f"cand_mean_{s}") for s, m in enumerate(init_means)]
-        self.cand_factor = [_shared(f, f"cand_factor_{s}") for s, f in enumerate(init_factors)]
-        self.base_g = [_shared(np.zeros_like(m), f"base_g_{s}") for s, m in enumerate(init_means)]
-        self.base_H = [_shared(np.zeros_like(f), f"base_H_{s}") for s, f in enumerate(init_factors)]
-        self.base_bound = _shared(-np.inf, "base_bound")
+        self.hypers = hypers if (hypers is not None and getattr(hypers.spec, "size", 0)) else None
+        self.nseg = int(nseg)
         #: Phases of a step: the factors of a matrix factorization move in turn.
         self.n_phases = len(getattr(bound, "phase_segments", [None]))
-        self.base_phase = _shared(np.full(self.n_phases, -np.inf), "base_phase_bounds")
-        self.phase = pytensor.shared(np.int64(0), name="phase")
-        self.scale = _shared(schedule.initial_scale(), "step_scale")
-        self.t = _shared(0.0, "accepted_steps")
-        opt0 = algorithm.init_opt_state(init_means, init_factors)
-        self.base_opt = [self._shared_tree(o, f"base_opt_{s}") for s, o in enumerate(opt0)]
-        self.cand_opt = [self._shared_tree(o, f"cand_opt_{s}") for s, o in enumerate(opt0)]
-        self.hypers = hypers if (hypers is not None and getattr(hypers.spec, "size", 0)) else None
-        self.nseg = nseg
         self.coupled = (
             self.hypers is not None
             and self.hypers.mode == "meanfield"
@@ -100,60 +82,72 @@ class StepKernel:
             and algorithm.newton_mean
             and self.hypers.spec.size <= MAX_COUPLED_HYPERS
         )
-        # Cross derivatives of the accepted state: of g per segment, then of H per segment.
-        self.base_cross = []
-        if self.coupled:
-            n_h = self.hypers.spec.size
-            self.base_cross = [
-                _shared(np.zeros(np.shape(m) + (n_h,)), f"base_cross_{s}")
-                for s, m in enumerate(init_means)
-            ] + [
-                _shared(np.zeros(np.shape(f) + (n_h,)), f"base_hess_cross_{s}")
-                for s, f in enumerate(init_factors)
-            ]
-            self.hypers.linear_response_state([np.shape(m) + (n_h,) for m in init_means])
         # Arrow coupling of the head segment (fixed effects) with the others.
         head = getattr(bound, "arrow_head", None)
         self.arrow_head = (
             head if (self.n_phases == 1 and algorithm.parameterization == "precision") else None
         )
-        self.base_X, self.arrow_G, self.arrow_LS = [], [], None
-        if self.arrow_head is not None:
-            p = np.shape(init_means[head])[-1]
-            self.base_X = [
-                None if s == head else _shared(np.zeros(np.shape(m) + (p,)), f"base_X_{s}")
-                for s, m in enumerate(init_means)
-            ]
-            self.arrow_G = [
-                _shared(np.eye(p)[None] if s == head else np.zeros(np.shape(m) + (p,)), f"G_{s}")
-                for s, m in enumerate(init_means)
-            ]
-            self.arrow_LS = _shared(np.asarray(init_factors[head])[0], "arrow_schur_factor")
 
-    @staticmethod
-    def _shared_tree(tree, name):
-        return (
-            tuple(
-                tuple(_shared(x, f"{name}_{i}_{j}") for j, x in enumerate(part))
-                for i, part in enumerate(tree)
+    # ------------------------------------------------------------------- state
+    def init_state(self, means, factors) -> KernelState:
+        """The state before the first iteration (NumPy values): the candidate is the
+        start q, nothing accepted yet (``bound = -inf``)."""
+        means = tuple(np.asarray(m, dtype="float64") for m in means)
+        factors = tuple(np.asarray(f, dtype="float64") for f in factors)
+        q = QState(means, factors)
+        opt0 = tuple(_as_tuples(o) for o in self.algorithm.init_opt_state(means, factors))
+        crosses = ()
+        hyper = self.hypers.init_state() if self.hypers is not None else None
+        if self.coupled:
+            n_h = self.hypers.spec.size
+            crosses = tuple(np.zeros(np.shape(m) + (n_h,)) for m in means) + tuple(
+                np.zeros(np.shape(f) + (n_h,)) for f in factors
             )
-            if (tree and isinstance(tree[0], tuple))
-            else tuple(_shared(x, f"{name}_{i}") for i, x in enumerate(tree))
+            hyper = self.hypers.with_linear_response(hyper, [np.shape(m) + (n_h,) for m in means])
+        arrow = None
+        if self.arrow_head is not None:
+            head = self.arrow_head
+            p = np.shape(means[head])[-1]
+            arrow = ArrowState(
+                X=tuple(
+                    None if s == head else np.zeros(np.shape(m) + (p,)) for s, m in enumerate(means)
+                ),
+                G=tuple(
+                    np.eye(p)[None] if s == head else np.zeros(np.shape(m) + (p,))
+                    for s, m in enumerate(means)
+                ),
+                LS=np.asarray(factors[head])[0],
+            )
+        return KernelState(
+            base=q,
+            cand=q,
+            grads=tuple(np.zeros_like(m) for m in means),
+            hessians=tuple(np.zeros_like(f) for f in factors),
+            bound=np.asarray(-np.inf),
+            phase_bounds=np.full(self.n_phases, -np.inf),
+            phase=np.asarray(0, dtype="int64"),
+            scale=np.asarray(self.schedule.initial_scale(), dtype="float64"),
+            t=np.asarray(0.0),
+            base_opt=opt0,
+            cand_opt=opt0,
+            crosses=crosses,
+            arrow=arrow,
+            hyper=hyper,
+            rayleigh=self.rayleighs.init_state() if self.rayleighs is not None else None,
         )
 
-    # ------------------------------------------------------------------ graphs
-    def base_states(self):
-        return [GaussianBlocks(m, f) for m, f in zip(self.base_mean, self.base_factor, strict=True)]
+    def reset_candidate(self, state: KernelState) -> KernelState:
+        """``state`` (values) with the candidate equal to the base (after a divergence,
+        new data or a replaced q)."""
+        hyper, rayleigh = state.hyper, state.rayleigh
+        if hyper is not None:
+            hyper = self.hypers.reset(hyper)
+        if rayleigh is not None:
+            rayleigh = self.rayleighs.reset(rayleigh)
+        return state._replace(cand=tree_map(np.copy, state.base), hyper=hyper, rayleigh=rayleigh)
 
-    def hyper_replacements(self, which="base"):
-        """Replacements of the hyperparameter value variables by point estimates."""
-        if self.hypers is None or self.hypers.mode != "point":
-            return {}
-        return self.hypers.spec.replacements(
-            self.hypers.base if which == "base" else self.hypers.cand
-        )
-
-    def _next_phase_only(self):
+    # -------------------------------------------------------------------- step
+    def _next_phase_only(self, phase):
         """The phase whose factor alone needs ``g`` and ``H`` at the candidate, or ``None``.
 
         A stochastic kernel accepts every finite candidate, so after a step of
@@ -168,54 +162,58 @@ class StepKernel:
             return None
         if self.hypers is not None and self.bound.bilinear.depends_on(self.hypers.spec.values):
             return None
-        return (self.phase + 1) % self.n_phases
+        return (phase + 1) % self.n_phases
 
-    def build(self, by_node: bool = False):
-        """Outputs ``[base_bound, cand_bound, accepted, rho]`` and the shared-variable updates.
+    def step(self, state: KernelState, by_node: bool = False) -> tuple[KernelState, StepInfo]:
+        """One iteration as a graph: the new state and the :class:`StepInfo`.
 
-        With several *phases* (matrix factorization: one per factor) each step
-        moves only the segments of the current phase, and a candidate is
-        judged by that phase's value, the objective its gradients belong to.
+        ``state`` is symbolic (usually :attr:`SharedState.symbolic`). With several
+        *phases* (matrix factorization: one per factor) each step moves only the
+        segments of the current phase, and a candidate is judged by that phase's
+        value, the objective its gradients belong to. ``by_node`` sums
+        one-dimensional quadratures a node at a time (a JAX step).
         """
         alg = self.algorithm
-        cand = [GaussianBlocks(m, f) for m, f in zip(self.cand_mean, self.cand_factor, strict=True)]
+        nseg = self.nseg
+        cand = [GaussianBlocks(m, f) for m, f in zip(*state.cand, strict=True)]
         # The factors move in turn: a factor's subsample windows advance once per
         # step of that factor, whether or not the other side is computed too.
-        turns = pt.cast(self.t, "int64") // self.n_phases
-        ev = self.bound.evaluate(cand, phase=self._next_phase_only(), step=turns, by_node=by_node)
-        nph = len(ev.phase_values)
-        outs = [ev.value, *ev.phase_values, *ev.grads, *ev.hessians]
-        nv = 1 + nph
-        nx = 0
+        turns = pt.cast(state.t, "int64") // self.n_phases
+        ev = self.bound.evaluate(
+            cand, phase=self._next_phase_only(state.phase), step=turns, by_node=by_node
+        )
+        n_values = 1 + len(ev.phase_values)
+        stats = [ev.value, *ev.phase_values, *ev.grads, *ev.hessians]
+        xs = []
         if self.arrow_head is not None:
             xs = [
                 pt.zeros(b.type.shape) if (c is None and b is not None) else c
-                for c, b in zip(ev.crosses, self.base_X, strict=True)
+                for c, b in zip(ev.crosses, state.arrow.X, strict=True)
             ]
-            outs = outs + [x for x in xs if x is not None]
-            nx = len(outs) - nv - 2 * self.nseg
-        haux = None
+            xs = [x for x in xs if x is not None]
+        outs = [*stats, *xs]
         if self.rayleighs is not None:
-            outs = self.rayleighs.evaluate(outs, n_values=nv)
+            outs = self.rayleighs.evaluate(state.rayleigh, outs, n_values=n_values)
         finite = pt.isfinite(outs[0])
+        haux = None
         if self.hypers is not None:
-            kw = {"cross": range(nv, nv + 2 * self.nseg)} if self.coupled else {}
-            outs, hfinite, haux = self.hypers.evaluate(outs, n_values=nv, **kw)
+            kw = {"cross": range(n_values, n_values + 2 * nseg)} if self.coupled else {}
+            outs, hfinite, haux = self.hypers.evaluate(state.hyper, outs, n_values=n_values, **kw)
             finite = pt.isfinite(outs[0]) & hfinite
-        value, phase_values = outs[0], pt.stack(outs[1:nv])
-        grads = outs[nv : nv + self.nseg]
-        hessians = outs[nv + self.nseg : nv + 2 * self.nseg]
-        xs = outs[nv + 2 * self.nseg :] if nx else []
+        value, phase_values = outs[0], pt.stack(outs[1:n_values])
+        grads = outs[n_values : n_values + nseg]
+        hessians = outs[n_values + nseg : n_values + 2 * nseg]
+        xs = outs[n_values + 2 * nseg :]
         rgrads = None
         if self.rayleighs is not None:
-            rgrads = self.rayleighs.gradients(value)
+            rgrads = self.rayleighs.gradients(state.rayleigh, value)
             for x in rgrads:
                 finite = finite & pt.isfinite(x)
         for x in [*grads, *hessians, *xs]:
             finite = finite & pt.all(pt.isfinite(x))
         finite = finite & pt.all(pt.isfinite(phase_values))
         if self.monotone:
-            current, base = phase_values[self.phase], self.base_phase[self.phase]
+            current, base = phase_values[state.phase], state.phase_bounds[state.phase]
             tol = 1e-9 * pt.abs(base) + 1e-9
             better = pt.or_(~pt.isfinite(base), current >= base - tol)
             accept = finite & better
@@ -224,59 +222,61 @@ class StepKernel:
         sel = lambda a, b: pt.switch(accept, a, b)  # noqa: E731
         new_base = [
             GaussianBlocks(sel(c.mean, m), sel(c.factor, f))
-            for c, m, f in zip(cand, self.base_mean, self.base_factor, strict=True)
+            for c, m, f in zip(cand, *state.base, strict=True)
         ]
-        g = [sel(gc, gb) for gc, gb in zip(grads, self.base_g, strict=True)]
-        H = [sel(hc, hb) for hc, hb in zip(hessians, self.base_H, strict=True)]
-        new_bound = sel(value, self.base_bound)
-        restarted = alg.restart_opt_state(self.base_opt)
-        opt = [_select_tree(accept, c, b) for c, b in zip(self.cand_opt, restarted, strict=True)]
-        scale = self.schedule.next_scale(self.scale, accept)
-        t = self.t + pt.cast(accept, "float64")
+        g = [sel(gc, gb) for gc, gb in zip(grads, state.grads, strict=True)]
+        H = [sel(hc, hb) for hc, hb in zip(hessians, state.hessians, strict=True)]
+        new_bound = sel(value, state.bound)
+        restarted = alg.restart_opt_state(state.base_opt)
+        opt = [_select_tree(accept, c, b) for c, b in zip(state.cand_opt, restarted, strict=True)]
+        scale = self.schedule.next_scale(state.scale, accept)
+        t = state.t + pt.cast(accept, "float64")
         rho = pt.minimum(self.schedule.base(t) * scale, 1.0)
         # Plain values for NaN-free arithmetic in the unused branch.
         g_safe = [pt.switch(pt.isfinite(x), x, 0.0) for x in g]
         H_safe = [pt.switch(pt.isfinite(x), x, 0.0) for x in H]
         stepped, stepped_opt = alg.step(new_base, g_safe, H_safe, rho, scale, t, opt)
-        arrow_updates, arrow = {}, None
+        arrow_state, arrow = state.arrow, None
         if self.arrow_head is not None:
             X = iter(
                 [
                     sel(xc, xb)
-                    for xc, xb in zip(xs, [b for b in self.base_X if b is not None], strict=True)
+                    for xc, xb in zip(xs, [b for b in state.arrow.X if b is not None], strict=True)
                 ]
             )
-            X = [None if b is None else next(X) for b in self.base_X]
-            arrow_updates = {b: x for b, x in zip(self.base_X, X, strict=True) if b is not None}
+            X = tuple(None if b is None else next(X) for b in state.arrow.X)
             Q = [None if x is None else -pt.switch(pt.isfinite(x), x, 0.0) for x in X]
             # The arrow of the curvature -E[H] itself (not of q's precisions, which lag
             # behind it while rho < 1 and need not form a positive definite arrow with Q).
             curv = Arrow(self.arrow_head, [cholesky(-_sym(h)) for h in H_safe], Q)
             stepped, arrow = self._arrow_mean_step(stepped, new_base, g_safe, curv, rho)
-            arrow_updates.update(self._arrow_view_updates(curv, new_base[self.arrow_head].factor))
+            G, LS = self._arrow_view(curv, new_base[self.arrow_head].factor, state.arrow)
+            arrow_state = ArrowState(X=X, G=G, LS=LS)
         if not self.monotone and self.algorithm.parameterization == "precision":
             stepped = [_trust_region(st, old) for st, old in zip(stepped, new_base, strict=True)]
-        hyper_updates, cross_updates = {}, {}
+        hyper_state, crosses = state.hyper, state.crosses
         if self.hypers is not None:
             coupling = None
             if self.coupled:
                 # Finite: a non-finite cross derivative rejects the candidate (hfinite).
-                crosses = [
-                    None if c is None else sel(c, b)
-                    for c, b in zip(haux[2], self.base_cross, strict=True)
-                ]
-                cross_updates = {
-                    b: c for b, c in zip(self.base_cross, crosses, strict=True) if c is not None
-                }
+                crosses = tuple(
+                    b if c is None else sel(c, b)
+                    for c, b in zip(haux[2], state.crosses, strict=True)
+                )
                 coupling = (
                     [st.factor for st in stepped],
                     g_safe,
-                    crosses[: self.nseg],
-                    crosses[self.nseg :],
+                    [None if c is None else x for c, x in zip(haux[2], crosses, strict=True)][
+                        :nseg
+                    ],
+                    [None if c is None else x for c, x in zip(haux[2], crosses, strict=True)][
+                        nseg:
+                    ],
                     [st.factor for st in new_base],
                     arrow,
                 )
-            hyper_updates, joint = self.hypers.updates(accept, rho, scale, t, haux, coupling)
+            hyper_state = self.hypers.accept(state.hyper, accept, haux)
+            hyper_state, joint = self.hypers.step(hyper_state, rho, scale, t, coupling)
             if joint is not None:
                 stepped = [
                     st if dP is None else GaussianBlocks(st.mean, _shifted_factor(st.factor, dP))
@@ -286,11 +286,12 @@ class StepKernel:
                     st if d is None else GaussianBlocks(st.mean + d, st.factor)
                     for st, d in zip(stepped, joint.shifts, strict=True)
                 ]
+        nph = len(ev.phase_values)
         next_phase = (
-            pt.switch(accept, (self.phase + 1) % nph, self.phase) if nph > 1 else self.phase
+            pt.switch(accept, (state.phase + 1) % nph, state.phase) if nph > 1 else state.phase
         )
         next_cand, next_opt = [], []
-        for s in range(self.nseg):
+        for s in range(nseg):
             if nph == 1:
                 next_cand.append(stepped[s])
                 next_opt.append(stepped_opt[s])
@@ -305,29 +306,28 @@ class StepKernel:
                 )
             )
             next_opt.append(_select_tree(moves, stepped_opt[s], opt[s]))
-
-        updates = {}
-        for s in range(self.nseg):
-            updates[self.base_mean[s]] = new_base[s].mean
-            updates[self.base_factor[s]] = new_base[s].factor
-            updates[self.cand_mean[s]] = next_cand[s].mean
-            updates[self.cand_factor[s]] = next_cand[s].factor
-            updates[self.base_g[s]] = g[s]
-            updates[self.base_H[s]] = H[s]
-            _tree_updates(updates, self.base_opt[s], opt[s])
-            _tree_updates(updates, self.cand_opt[s], next_opt[s])
-        updates[self.base_bound] = new_bound
-        updates[self.base_phase] = pt.switch(accept, phase_values, self.base_phase)
-        updates[self.phase] = pt.cast(next_phase, "int64")
-        updates[self.scale] = scale
-        updates[self.t] = t
-        updates.update(hyper_updates)
-        updates.update(cross_updates)
-        updates.update(arrow_updates)
+        rayleigh_state = state.rayleigh
         if self.rayleighs is not None:
-            updates.update(self.rayleighs.updates(accept, rho, scale, t, rgrads))
-        outputs = [new_bound, value, pt.cast(accept, "int8"), rho]
-        return outputs, updates
+            rayleigh_state = self.rayleighs.accept(state.rayleigh, accept, rgrads)
+            rayleigh_state = self.rayleighs.step(rayleigh_state, rho, scale, t)
+        new_state = KernelState(
+            base=QState(tuple(b.mean for b in new_base), tuple(b.factor for b in new_base)),
+            cand=QState(tuple(c.mean for c in next_cand), tuple(c.factor for c in next_cand)),
+            grads=tuple(g),
+            hessians=tuple(H),
+            bound=new_bound,
+            phase_bounds=pt.switch(accept, phase_values, state.phase_bounds),
+            phase=pt.cast(next_phase, "int64"),
+            scale=scale,
+            t=t,
+            base_opt=tuple(_as_tuples(o) for o in opt),
+            cand_opt=tuple(_as_tuples(o) for o in next_opt),
+            crosses=crosses,
+            arrow=arrow_state,
+            hyper=hyper_state,
+            rayleigh=rayleigh_state,
+        )
+        return new_state, StepInfo(new_bound, value, pt.cast(accept, "int8"), rho)
 
     def _arrow_mean_step(self, stepped, base, g, curv, rho):
         """Damped Newton step of the means with the arrow curvature (head-body coupling kept).
@@ -357,7 +357,7 @@ class StepKernel:
         ]
         return stepped, curv
 
-    def _arrow_view_updates(self, curv, head_factor):
+    def _arrow_view(self, curv, head_factor, old):
         """``G`` and the Schur factor of the accepted state's curvature.
 
         Where the curvature is not positive definite (a likelihood that is not
@@ -368,21 +368,19 @@ class StepKernel:
         ok = pt.all(pt.isfinite(L_S))
         for x in G:
             ok = ok & pt.all(pt.isfinite(x))
-        up = {self.arrow_LS: pt.switch(ok, L_S, head_factor[0])}
-        for s, (sh, x) in enumerate(zip(self.arrow_G, G, strict=True)):
+        LS = pt.switch(ok, L_S, head_factor[0])
+        new_G = []
+        for s, x in enumerate(G):
             plain = x if s == self.arrow_head else pt.zeros_like(x)  # the head's G is I
-            up[sh] = pt.switch(ok, x, plain)
-        return up
+            new_G.append(pt.switch(ok, x, plain))
+        return tuple(new_G), LS
 
-    def reset_candidate(self):
-        """Make the candidate equal to the base (used after a divergence)."""
-        for s in range(self.nseg):
-            self.cand_mean[s].set_value(self.base_mean[s].get_value())
-            self.cand_factor[s].set_value(self.base_factor[s].get_value())
-        if self.hypers is not None:
-            self.hypers.reset()
-        if self.rayleighs is not None:
-            self.rayleighs.reset()
+
+def _as_tuples(tree):
+    """Optimizer states as nested tuples (the state trees' node type)."""
+    if isinstance(tree, list | tuple):
+        return tuple(_as_tuples(x) for x in tree)
+    return tree
 
 
 def _sym(x):
@@ -421,11 +419,3 @@ def _select_tree(cond, a, b):
     if isinstance(a, tuple):
         return tuple(_select_tree(cond, x, y) for x, y in zip(a, b, strict=True))
     return pt.switch(cond, a, b)
-
-
-def _tree_updates(updates, shared_tree, values):
-    if isinstance(shared_tree, tuple):
-        for s, v in zip(shared_tree, values, strict=True):
-            _tree_updates(updates, s, v)
-    else:
-        updates[shared_tree] = values

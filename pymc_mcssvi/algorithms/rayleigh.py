@@ -20,21 +20,16 @@ halves when its gradient changes sign between accepted steps and grows by 1.5
 from __future__ import annotations
 
 import numpy as np
-import pytensor
 import pytensor.tensor as pt
 from pytensor.graph.replace import graph_replace
 
+from pymc_mcssvi.algorithms.state import RayleighState
 from pymc_mcssvi.exceptions import UnsupportedModelError
 from pymc_mcssvi.families.rayleigh import kl_rayleigh, natural_step_rayleigh, rayleigh_nodes
 from pymc_mcssvi.recognize.graph import depends_on_any
 from pymc_mcssvi.recognize.vectorize import vectorize_graph
 
 __all__ = ["RayleighGlobals"]
-
-
-def _shared(value, name):
-    value = np.asarray(value, dtype="float64")
-    return pytensor.shared(value, name=name, shape=value.shape)
 
 
 class RayleighGlobals:
@@ -81,8 +76,7 @@ class RayleighGlobals:
         self.optimizer = optimizer
         self.n_nodes = int(n_nodes)
         ip = model.initial_point()
-        self.base, self.cand, self.base_grad, self.base_opt, self.cand_opt = [], [], [], [], []
-        self.rho_factor = []
+        self.init_scales = []
         for r in rayleighs:
             if init_scale and r.name in init_scale:
                 s0 = float(init_scale[r.name])
@@ -95,22 +89,30 @@ class RayleighGlobals:
                     f"its prior scale must be positive (got an initial scale of {s0})",
                     "check the Rayleigh `sigma`",
                 )
-            self.base.append(_shared(s0, f"base_rayleigh_{r.name}"))
-            self.cand.append(_shared(s0, f"cand_rayleigh_{r.name}"))
-            self.base_grad.append(_shared(0.0, f"base_rayleigh_grad_{r.name}"))
-            self.rho_factor.append(_shared(1.0, f"rayleigh_rho_factor_{r.name}"))
-            opt0 = optimizer.init(np.asarray(s0)) if (optimizer and not natural) else ()
-            self.base_opt.append(
-                tuple(_shared(x, f"base_rayleigh_opt_{r.name}_{i}") for i, x in enumerate(opt0))
-            )
-            self.cand_opt.append(
-                tuple(_shared(x, f"cand_rayleigh_opt_{r.name}_{i}") for i, x in enumerate(opt0))
-            )
+            self.init_scales.append(s0)
 
-    def evaluate(self, outputs, n_values=1):
+    def init_state(self) -> RayleighState:
+        """The start: ``sigma_q`` at the prior scale's initial point."""
+        opt = self.optimizer if (self.optimizer and not self.natural) else None
+        opt0 = tuple(tuple(opt.init(np.asarray(s0))) if opt else () for s0 in self.init_scales)
+        scales = tuple(np.asarray(s0, dtype="float64") for s0 in self.init_scales)
+        return RayleighState(
+            base=scales,
+            cand=scales,
+            grad=tuple(np.asarray(0.0) for _ in scales),
+            rho_factor=tuple(np.asarray(1.0) for _ in scales),
+            base_opt=opt0,
+            cand_opt=opt0,
+        )
+
+    def reset(self, state: RayleighState) -> RayleighState:
+        """The candidates back at the accepted scales (values)."""
+        return state._replace(cand=tuple(np.copy(b) for b in state.base))
+
+    def evaluate(self, state: RayleighState, outputs, n_values=1):
         """Outputs averaged over q(w2); the first ``n_values`` (bound values) also get ``-KL``."""
         outs = list(outputs)
-        for r, sigma in zip(self.rayleighs, self.cand, strict=True):
+        for r, sigma in zip(self.rayleighs, state.cand, strict=True):
             v = pt.scalar(f"{r.name}_node_value", dtype=r.value.dtype)
             singles = graph_replace(
                 outs, {r.value: v.reshape(r.value.type.shape) if r.value.ndim else v}, strict=False
@@ -126,37 +128,51 @@ class RayleighGlobals:
             outs = [o - kl if i < n_values else o for i, o in enumerate(outs)]
         return outs
 
-    def gradients(self, value):
+    def gradients(self, state: RayleighState, value):
         """``dL/dsigma_q`` of the final (fully averaged) bound."""
-        return [pt.grad(pt.switch(pt.isfinite(value), value, 0.0), s) for s in self.cand]
+        return [pt.grad(pt.switch(pt.isfinite(value), value, 0.0), s) for s in state.cand]
 
-    def updates(self, accept, rho, scale, t, grads):
-        up = {}
+    def accept(self, state: RayleighState, accept, grads) -> RayleighState:
+        """The accepted scales and gradients (and each scale's step-size factor)."""
+        base, grad, rho_factor, base_opt = [], [], [], []
         for i, g in enumerate(grads):
-            sigma = pt.switch(accept, self.cand[i], self.base[i])
-            gsel = pt.switch(accept, g, self.base_grad[i])
-            gsafe = pt.switch(pt.isfinite(gsel), gsel, 0.0)
-            up[self.base[i]] = sigma
-            up[self.base_grad[i]] = gsel
+            sigma = pt.switch(accept, state.cand[i], state.base[i])
+            gsel = pt.switch(accept, g, state.grad[i])
+            rr = state.rho_factor[i]
+            opt = state.base_opt[i]
             if self.natural:
-                old, rr = self.base_grad[i], self.rho_factor[i]
-                flipped = pt.lt(old * gsafe, 0.0)
+                gsafe = pt.switch(pt.isfinite(gsel), gsel, 0.0)
+                flipped = pt.lt(state.grad[i] * gsafe, 0.0)
                 rr = pt.switch(accept, pt.switch(flipped, 0.5 * rr, pt.minimum(1.5 * rr, 1.0)), rr)
-                up[self.rho_factor[i]] = rr
-                up[self.cand[i]] = natural_step_rayleigh(sigma, gsafe, rho * rr)
             else:
-                opt = self.optimizer
-                state = tuple(
+                restarted = self.optimizer.restart(state.base_opt[i])
+                opt = tuple(
                     pt.switch(accept, c, b)
-                    for c, b in zip(self.cand_opt[i], opt.restart(self.base_opt[i]), strict=True)
+                    for c, b in zip(state.cand_opt[i], restarted, strict=True)
                 )
-                delta, nxt = opt.update(gsafe, state, scale, t)
-                new = sigma + delta
-                up[self.cand[i]] = pt.switch(new > 0, new, np.nan)
-                up.update(dict(zip(self.base_opt[i], state, strict=True)))
-                up.update(dict(zip(self.cand_opt[i], nxt, strict=True)))
-        return up
+            base.append(sigma)
+            grad.append(gsel)
+            rho_factor.append(rr)
+            base_opt.append(opt)
+        return state._replace(
+            base=tuple(base),
+            grad=tuple(grad),
+            rho_factor=tuple(rho_factor),
+            base_opt=tuple(base_opt),
+        )
 
-    def reset(self):
-        for b, c in zip(self.base, self.cand, strict=True):
-            c.set_value(b.get_value())
+    def step(self, state: RayleighState, rho, scale, t) -> RayleighState:
+        """The next candidates: a natural step on ``-1/(2 sigma^2)`` scaled by each
+        scale's own factor, or a first-order step on ``sigma`` (S-DSVI)."""
+        cand, cand_opt = [], []
+        for i, sigma in enumerate(state.base):
+            gsafe = pt.switch(pt.isfinite(state.grad[i]), state.grad[i], 0.0)
+            if self.natural:
+                cand.append(natural_step_rayleigh(sigma, gsafe, rho * state.rho_factor[i]))
+                cand_opt.append(state.cand_opt[i])
+            else:
+                delta, nxt = self.optimizer.update(gsafe, state.base_opt[i], scale, t)
+                new = sigma + delta
+                cand.append(pt.switch(new > 0, new, np.nan))
+                cand_opt.append(tuple(nxt))
+        return state._replace(cand=tuple(cand), cand_opt=tuple(cand_opt))

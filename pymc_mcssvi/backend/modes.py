@@ -328,7 +328,7 @@ def python_few_calls_mode() -> Mode:
     graph the size of a step (800-1,300 nodes) costs 0.2-0.5 s and saves a few
     milliseconds per call, which pays for itself only over a fit's iterations,
     not over the 40-90 calls of the skewed q(h)'s profile
-    (:mod:`pymc_mcssvi.algorithms.marginal`). Same :func:`python_linker` as
+    (:mod:`pymc_mcssvi.posterior.marginal`). Same :func:`python_linker` as
     :func:`python_step_mode`.
 
     Examples

@@ -22,10 +22,10 @@ except ImportError:  # PyTensor releases before the module moved
     from pytensor.ifelse import ifelse
 from xarray import DataArray, Dataset
 
-from pymc_mcssvi.algorithms.marginal import grid_interpolation, node_interpolation, table_transform
-from pymc_mcssvi.algorithms.profile_grid import conditional_transform
 from pymc_mcssvi.backend.modes import graph_building
 from pymc_mcssvi.families.gaussian import GaussianBlocks, covariance, sample
+from pymc_mcssvi.posterior.marginal import grid_interpolation, node_interpolation, table_transform
+from pymc_mcssvi.posterior.profile_grid import conditional_transform
 
 __all__ = [
     "ConditionalView",
@@ -40,7 +40,7 @@ class ConditionalView(NamedTuple):
     """Shared variables of the Gaussian globals' draws given the hyperparameters' draws.
 
     Set after a fit from q(w | h) re-fitted at the profile points of q(h) (see
-    :mod:`pymc_mcssvi.algorithms.marginal`); used while ``on`` is 1.
+    :mod:`pymc_mcssvi.posterior.marginal`); used while ``on`` is 1.
 
     Attributes
     ----------
@@ -48,32 +48,32 @@ class ConditionalView(NamedTuple):
         int8 flag.
     factors : list of SharedVariable
         Per segment, the factor (in the group's parameterization) of the draws'
-        noise before scaling (:func:`~pymc_mcssvi.algorithms.marginal.averaged_view_factors`).
+        noise before scaling (:func:`~pymc_mcssvi.posterior.marginal.averaged_view_factors`).
     sd_table : SharedVariable
         ``(n_h, len(NODES), ddim)`` log ratios of the conditional sds along q(h)'s
         axes: each draw's noise is scaled by them at its ``h``.
     mean_table : SharedVariable
         ``(n_h, len(NODES), ddim)``: the conditional means in the data's
         coordinates along q(h)'s axes
-        (:func:`~pymc_mcssvi.algorithms.marginal.conditional_mean_table`): a
+        (:func:`~pymc_mcssvi.posterior.marginal.conditional_mean_table`): a
         draw's mean is ``exp(-LS(h)) (center + M(t))``.
     log_scale_axes : SharedVariable
         ``(n_h, len(NODES), ddim)``: ``LS``, the log scales of the data's
         coordinates (half the log ratio of the predictor Jacobian's squared column
         norms to the centre's) where they add up across q(h)'s axes: their values
         at the nodes along each axis, interpolated and summed at each draw
-        (:func:`~pymc_mcssvi.algorithms.marginal.node_interpolation`).
+        (:func:`~pymc_mcssvi.posterior.marginal.node_interpolation`).
     log_scale_grid : SharedVariable
         ``(len(NODES)^n_h, ddim)``: ``LS`` where they do not add up, on the tensor
         grid of the nodes along q(h)'s axes
-        (:func:`~pymc_mcssvi.algorithms.marginal.grid_interpolation`); one row
+        (:func:`~pymc_mcssvi.posterior.marginal.grid_interpolation`); one row
         (a placeholder, not evaluated) when they do.
     scale_masks : SharedVariable
         ``(2, ddim)``: the coordinates whose noise (row 0) and mean (row 1)
-        follow ``LS`` (see :func:`~pymc_mcssvi.algorithms.marginal.data_coordinates`).
+        follow ``LS`` (see :func:`~pymc_mcssvi.posterior.marginal.data_coordinates`).
     moments : DrawMoments
         The mean part's moments: its mean, covariance and cross-covariance with
-        ``h`` (:func:`~pymc_mcssvi.algorithms.marginal.draw_moments`).
+        ``h`` (:func:`~pymc_mcssvi.posterior.marginal.draw_moments`).
     moment_factors : list of SharedVariable
         Per segment, the factor of the scaled noise's covariance averaged over
         q(h): the own covariance ``std`` and ``cov`` report.
@@ -175,11 +175,11 @@ class StructuredGaussianGroup(Group):
     the head segment's coupling with the others (linear response for q(w)):
     the head's own noise is replaced by ``G L_S^{-T} e_head``.
     An optional ``marginal=(on, V, s, T, shift, cov)`` (shared variables, see
-    :mod:`~pymc_mcssvi.algorithms.marginal`) replaces the Gaussian by the
+    :mod:`~pymc_mcssvi.posterior.marginal`) replaces the Gaussian by the
     skewed axis marginal while ``on`` is 1; ``center`` stays the Gaussian's
     mean (the point other groups' linear responses are taken at). An optional
     ``grid=(on, D, T, C, rows)`` (shared variables, see
-    :mod:`~pymc_mcssvi.algorithms.profile_grid`) replaces both, while its
+    :mod:`~pymc_mcssvi.posterior.profile_grid`) replaces both, while its
     ``on`` is 1, by draws ``h = center + D t`` of the profile on a grid: ``t_1``
     by the quantile table ``T[0]``, ``t_2`` (two coordinates) by the
     conditional tables ``C`` at ``rows`` of ``t_1``.
@@ -187,11 +187,11 @@ class StructuredGaussianGroup(Group):
     in the draws (by ``view.factors``) and in ``std`` and ``cov`` (by
     ``view.moment_factors``) while ``view.on`` is 1, scales each draw's noise
     by the conditional sds at its ``h`` (see
-    :func:`~pymc_mcssvi.algorithms.marginal.averaged_view_factors`) and
+    :func:`~pymc_mcssvi.posterior.marginal.averaged_view_factors`) and
     replaces the linear response of its mean by the conditional means (see
-    :func:`~pymc_mcssvi.algorithms.marginal.conditional_mean_table`); ``mean``,
+    :func:`~pymc_mcssvi.posterior.marginal.conditional_mean_table`); ``mean``,
     ``std``, ``cov`` and ``cross_cov`` are then the draws' (see
-    :class:`~pymc_mcssvi.algorithms.marginal.DrawMoments`).
+    :class:`~pymc_mcssvi.posterior.marginal.DrawMoments`).
     """
 
     __param_spec__ = {"segment_means": ("d",), "segment_factors": ("d",)}
@@ -521,7 +521,7 @@ class StructuredApproximation(Approximation):
         self.predictive_leaves: list[str] = []
         #: Zero-argument callables returning ``(samples, random_seed) -> {value name:
         #: new draws}``, applied in order to the draws (see
-        #: :class:`~pymc_mcssvi.pymc.conditional.ConditionalGlobals` and
+        #: :class:`~pymc_mcssvi.posterior.conditional.ConditionalGlobals` and
         #: :func:`~pymc_mcssvi.pymc.locals.conditional_local_sampler`); built on the
         #: first :meth:`sample`.
         self.conditional_factories: list = []

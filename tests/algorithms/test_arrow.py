@@ -135,16 +135,16 @@ def test_cross_hessian_matches_finite_differences(head, rng):
         pm.Poisson("y", pm.math.exp(eta), observed=y)
     with m:
         inf = pymc_mcssvi.HMCSSVI(cov={"a": "block", "c": "block"}, random_seed=0)
-    k = inf.kernel
+    k, st = inf.kernel, inf.store.symbolic
     assert [s.kind for s in inf.tlm.segments] == ["full", "block"]
     (hp,) = [p for p in k.bound.geometries[0].pieces if p.segment == 0]
     assert hp.mixed == (head == "gathered")
-    for mu in k.cand_mean:
+    for mu in st.cand.means:
         mu.set_value(mu.get_value() + 0.1 * rng.normal(size=mu.get_value().shape))
-    cand = [GaussianBlocks(mu, f) for mu, f in zip(k.cand_mean, k.cand_factor, strict=True)]
+    cand = [GaussianBlocks(mu, f) for mu, f in zip(st.cand.means, st.cand.factors, strict=True)]
     ev = k.bound.evaluate(cand)
     fn = pytensor.function([], [ev.grads[1], ev.crosses[1]])
-    head_mean = k.cand_mean[0]
+    head_mean = st.cand.means[0]
     m0 = head_mean.get_value()
     D = m0.shape[-1]
     eps = 1e-5
@@ -209,15 +209,14 @@ def test_curvature_that_is_not_positive_definite_falls_back_to_q_blocks(rng):
     m, _, _ = _lmm(rng)
     with m:
         inf = pymc_mcssvi.HMCSSVI(cov={"a": "diag"}, random_seed=0)
-    k = inf.kernel
-    G = k.base_mean[1].get_value().shape[0]
+    k, st = inf.kernel, inf.store.symbolic
+    G = st.base.means[1].get_value().shape[0]
     factors = [pt.as_tensor(np.eye(2)[None] * 1.5), pt.as_tensor(np.ones((G, 1, 1)))]
     bad = Arrow(0, factors, [None, pt.as_tensor(np.full((G, 1, 2), 3.0))])  # Schur < 0
-    up = k._arrow_view_updates(bad, factors[0])
-    L_S = up[k.arrow_LS].eval()
-    np.testing.assert_allclose(L_S, np.eye(2) * 1.5)
-    np.testing.assert_allclose(up[k.arrow_G[0]].eval(), np.eye(2)[None])
-    assert not up[k.arrow_G[1]].eval().any()
+    G_view, L_S = k._arrow_view(bad, factors[0], st.arrow)
+    np.testing.assert_allclose(L_S.eval(), np.eye(2) * 1.5)
+    np.testing.assert_allclose(G_view[0].eval(), np.eye(2)[None])
+    assert not G_view[1].eval().any()
     # joint step: same result as without the arrow
     B = [pt.as_tensor(rng.normal(size=(1, 2, 1))), pt.as_tensor(rng.normal(size=(G, 1, 1)))]
     g = [pt.as_tensor(rng.normal(size=(1, 2))), pt.as_tensor(rng.normal(size=(G, 1)))]

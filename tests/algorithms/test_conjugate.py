@@ -47,9 +47,11 @@ def test_one_step_rho_one_is_exact_posterior(conjugate, cls):
     with model:
         inf = cls(schedule=1.0, start_sigma=3.0)
         inf.fit(n=2, progressbar=False)  # iteration 1 evaluates q0, iteration 2 accepts the step
-    k = inf.kernel
-    mean = k.cand_mean[0].get_value() if k.t.get_value() < 2 else k.base_mean[0].get_value()
-    L = (k.cand_factor[0].get_value() if k.t.get_value() < 2 else k.base_factor[0].get_value())[0]
+    st = inf.store.symbolic
+    mean = st.cand.means[0].get_value() if st.t.get_value() < 2 else st.base.means[0].get_value()
+    L = (
+        st.cand.factors[0].get_value() if st.t.get_value() < 2 else st.base.factors[0].get_value()
+    )[0]
     np.testing.assert_allclose(mean[0], m, rtol=0, atol=1e-8)
     np.testing.assert_allclose(L @ L.T, P, rtol=1e-8, atol=1e-10 * np.abs(P).max())
     # And the bound at the posterior is the log marginal likelihood.
@@ -78,9 +80,9 @@ def test_flat_intercept_is_a_gaussian_global_with_zero_prior_precision():
     with model:
         inf = pymc_mcssvi.MCSSVI(schedule=1.0, start_sigma=3.0)
         inf.fit(n=2, progressbar=False)
-    k = inf.kernel
-    L = k.base_factor[0].get_value()[0]
-    np.testing.assert_allclose(k.base_mean[0].get_value()[0], m, rtol=0, atol=1e-8)
+    st = inf.store.symbolic
+    L = st.base.factors[0].get_value()[0]
+    np.testing.assert_allclose(st.base.means[0].get_value()[0], m, rtol=0, atol=1e-8)
     np.testing.assert_allclose(L @ L.T, P, rtol=1e-8, atol=1e-10 * np.abs(P).max())
 
 
@@ -88,11 +90,11 @@ def test_bound_at_posterior_is_log_marginal_likelihood(conjugate):
     model, m, P, logml = conjugate
     with model:
         inf = pymc_mcssvi.MCSSVI()
-    k = inf.kernel
-    k.cand_mean[0].set_value(m[None])
-    k.cand_factor[0].set_value(np.linalg.cholesky(P)[None])
+    st = inf.store.symbolic
+    st.cand.means[0].set_value(m[None])
+    st.cand.factors[0].set_value(np.linalg.cholesky(P)[None])
     ev = inf.bound.evaluate(
-        [GaussianBlocks(k.cand_mean[0], k.cand_factor[0])], need_derivatives=False
+        [GaussianBlocks(st.cand.means[0], st.cand.factors[0])], need_derivatives=False
     )
     np.testing.assert_allclose(pytensor.function([], ev.value)(), logml, rtol=1e-9)
 
@@ -155,9 +157,9 @@ def test_multivariate_normal_outcome_is_exact_in_one_step():
         A = np.hstack([np.eye(2), x[i] * np.eye(2)])
         P = P + A.T @ Si @ A
         h = h + A.T @ Si @ Y[i]
-    k = inf.kernel
-    mean = k.base_mean[0].get_value()[0]
-    L = k.base_factor[0].get_value()[0]
+    st = inf.store.symbolic
+    mean = st.base.means[0].get_value()[0]
+    L = st.base.factors[0].get_value()[0]
     np.testing.assert_allclose(mean, np.linalg.solve(P, h), atol=1e-8)
     np.testing.assert_allclose(L @ L.T, P, rtol=1e-8, atol=1e-10 * np.abs(P).max())
 
@@ -183,9 +185,9 @@ def test_sparse_gp_projection_is_exact_in_one_step():
     assert inf.tlm.observed["y"] == "dense affine"
     A = kfu @ np.linalg.inv(kuu)
     P = np.linalg.inv(kuu) + A.T @ A / noise**2
-    k = inf.kernel
-    mean = k.base_mean[0].get_value()[0]
-    L = k.base_factor[0].get_value()[0]
+    st = inf.store.symbolic
+    mean = st.base.means[0].get_value()[0]
+    L = st.base.factors[0].get_value()[0]
     np.testing.assert_allclose(L @ L.T, P, rtol=1e-7)
     np.testing.assert_allclose(mean, np.linalg.solve(P, A.T @ y / noise**2), rtol=1e-6, atol=1e-6)
 
@@ -233,9 +235,9 @@ def test_spatial_effect_with_gaussian_noise_is_exact_in_one_step(prior):
     assert inf.tlm.gaussians[0].prior == prior
     P = P0 + np.eye(n) / noise**2
     m = np.linalg.solve(P, y / noise**2)
-    k = inf.kernel
-    L = k.base_factor[0].get_value()[0]
-    np.testing.assert_allclose(k.base_mean[0].get_value()[0], m, atol=1e-8)
+    st = inf.store.symbolic
+    L = st.base.factors[0].get_value()[0]
+    np.testing.assert_allclose(st.base.means[0].get_value()[0], m, atol=1e-8)
     np.testing.assert_allclose(L @ L.T, P, rtol=1e-8, atol=1e-10 * np.abs(P).max())
     logp = model.compile_logp()({"phi": m})
     log_normalizer = logp + 0.5 * n * np.log(2 * np.pi) - 0.5 * np.linalg.slogdet(P)[1]
@@ -292,7 +294,7 @@ def test_latent_time_series_is_exact_in_one_step(kind):
     h = np.r_[0.0, D.T @ e]
     A = np.hstack([np.ones((n, 1)), np.eye(n)])
     P, h = P + A.T @ A / noise**2, h + A.T @ y.reshape(-1) / noise**2
-    k = inf.kernel
-    mean, L = k.base_mean[0].get_value()[0], k.base_factor[0].get_value()[0]
+    st = inf.store.symbolic
+    mean, L = st.base.means[0].get_value()[0], st.base.factors[0].get_value()[0]
     np.testing.assert_allclose(mean, np.linalg.solve(P, h), atol=1e-8)
     np.testing.assert_allclose(L @ L.T, P, rtol=1e-8, atol=1e-10 * np.abs(P).max())

@@ -89,26 +89,26 @@ def test_cross_derivatives_match_finite_differences(rng):
     with m:
         inf = pymc_mcssvi.HMCSSVI(random_seed=3)
         inf.fit(5, progressbar=False)
-    k = inf.kernel
+    k, st = inf.kernel, inf.store.symbolic
     hyp = k.hypers
-    hyp.cand_factor.set_value(np.eye(1)[None] * 1e3)  # sd 1e-3: E[d g/d h] ~ d g/d h at the mean
-    cand = [GaussianBlocks(mu, f) for mu, f in zip(k.cand_mean, k.cand_factor, strict=True)]
+    st.hyper.cand_factor.set_value(np.eye(1)[None] * 1e3)  # sd 1e-3: E[d g/d h] ~ d g/d h
+    cand = [GaussianBlocks(mu, f) for mu, f in zip(st.cand.means, st.cand.factors, strict=True)]
     with m:
         ev = k.bound.evaluate(cand)
         outs = [ev.value, *ev.phase_values, *ev.grads, *ev.hessians]
         nv = 1 + len(ev.phase_values)
         nout = 2 * k.nseg
-        avg, _, aux = hyp.evaluate(outs, n_values=nv, cross=range(nv, nv + nout))
+        avg, _, aux = hyp.evaluate(st.hyper, outs, n_values=nv, cross=range(nv, nv + nout))
         crosses = aux[2]
         assert sum(c is not None for c in crosses) >= 2  # a gradient and a Hessian
         fn = pytensor.function([], [*avg[nv : nv + nout], *[c for c in crosses if c is not None]])
-    base = hyp.cand_mean.get_value()
+    base = st.hyper.cand_mean.get_value()
     eps = 1e-4
-    hyp.cand_mean.set_value(base + eps)
+    st.hyper.cand_mean.set_value(base + eps)
     up = fn()[:nout]
-    hyp.cand_mean.set_value(base - eps)
+    st.hyper.cand_mean.set_value(base - eps)
     down = fn()[:nout]
-    hyp.cand_mean.set_value(base)
+    st.hyper.cand_mean.set_value(base)
     got = fn()[nout:]
     want = [(u - d) / (2 * eps) for u, d, c in zip(up, down, crosses, strict=True) if c is not None]
     for gt, wt in zip(got, want, strict=True):
@@ -130,7 +130,7 @@ def test_coupled_and_separate_steps_reach_the_same_fit(rng, monkeypatch):
         fits[coupled] = (
             np.asarray(approx.mean.eval()),
             np.asarray(approx.std.eval()),
-            float(inf.kernel.hypers.base_mean.get_value()[0, 0]),
+            float(inf.store.symbolic.hyper.base_mean.get_value()[0, 0]),
         )
     (m1, s1, h1), (m0, s0, h0) = fits[True], fits[False]
     np.testing.assert_allclose(m1, m0, atol=2e-3)

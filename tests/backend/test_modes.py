@@ -8,6 +8,7 @@ import pytest
 from scipy.special import polygamma
 
 import pymc_mcssvi
+from pymc_mcssvi.backend import compile as compile_module
 from pymc_mcssvi.backend.modes import per_element_ops, python_step_mode
 
 
@@ -90,10 +91,9 @@ def test_python_steps_have_no_per_element_ops(make):
 def test_python_step_upgrades_mid_fit_without_changing_it(monkeypatch):
     """The step compiled with merging only and the fully rewritten one compute the same
     iterations, and the upgrade continues the random draws instead of reseeding them."""
-    from pymc_mcssvi.pymc import inference
 
     def fit(upgrade_at, seed=0):
-        monkeypatch.setattr(inference, "UPGRADE_AT", upgrade_at)
+        monkeypatch.setattr(compile_module, "UPGRADE_AT", upgrade_at)
         with _logit_glmm():
             inf = pymc_mcssvi.HMCSSVI(random_seed=seed, estimator="mc", fixed_draws=False)
             approx = inf.fit(max_iter=9, progressbar=False, backend="python")
@@ -108,9 +108,8 @@ def test_python_step_upgrades_mid_fit_without_changing_it(monkeypatch):
 
 
 def test_python_step_upgrades_when_a_fit_asks_for_more_iterations(monkeypatch):
-    from pymc_mcssvi.pymc import inference
 
-    monkeypatch.setattr(inference, "UPGRADE_AT", 4)
+    monkeypatch.setattr(compile_module, "UPGRADE_AT", 4)
     with _logit_glmm():
         inf = pymc_mcssvi.HMCSSVI(random_seed=0)
         inf.fit(n=2, progressbar=False, backend="python")
@@ -147,10 +146,10 @@ def test_python_backend_runs_its_nodes_in_the_c_loop(monkeypatch):
 
     inf, step, approx = fit()
     assert type(step.fn.vm).__name__ == "CVM"
-    assert inf._profile_fn is not None, "the fit should have computed the skewed q(h)"
+    assert inf._posterior._profile_fn is not None, "the fit should have computed the skewed q(h)"
     profile_vms = {
         type(c.cell_contents.vm).__name__
-        for c in inf._profile_fn.__closure__
+        for c in inf._posterior._profile_fn.__closure__
         if hasattr(c.cell_contents, "vm")
     }
     assert profile_vms == {"CVM"}

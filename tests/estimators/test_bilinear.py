@@ -33,19 +33,19 @@ def test_covariance_step_with_rho_one_is_lim_teh(rng):
     m, s, d, y = _conjugate_pmf(rng)
     with m:
         inf = pymc_mcssvi.MCSSVI(schedule=1.0, hyper="point", bilinear_draws="sigma")
-    k = inf.kernel
+    st = inf.store.symbolic
     R, C, K, sigma = 7, 5, 2, 0.5
     # Arbitrary current q(V) (segment 1) and q(U) (segment 0).
     mv = rng.normal(size=(C, K))
     Sv = np.stack([np.diag(rng.uniform(0.1, 0.5, K)) + 0.05 for _ in range(C)])
-    k.cand_mean[1].set_value(mv)
-    k.cand_factor[1].set_value(np.linalg.cholesky(np.linalg.inv(Sv)))
-    k.cand_mean[0].set_value(rng.normal(size=(R, K)))
+    st.cand.means[1].set_value(mv)
+    st.cand.factors[1].set_value(np.linalg.cholesky(np.linalg.inv(Sv)))
+    st.cand.means[0].set_value(rng.normal(size=(R, K)))
     step = inf._step_function()
     step()  # accepts the current state and takes the phase-1 step (the rows of U)
-    L = k.cand_factor[0].get_value()
+    L = st.cand.factors[0].get_value()
     got_P = L @ L.transpose(0, 2, 1)
-    got_m = k.cand_mean[0].get_value()
+    got_m = st.cand.means[0].get_value()
     for i in range(R):
         P = np.eye(K) / 1.3**2
         b = np.zeros(K)
@@ -253,7 +253,7 @@ def test_heavy_row_subsampling_stays_stable():
         inf = pymc_mcssvi.HMCSSVI(random_seed=0, row_subsample=1)
         inf.fit(40, progressbar=False)
     assert inf.schedule.tau > 40
-    Um, Vm = (m.get_value() for m in inf.kernel.base_mean)
+    Um, Vm = (m.get_value() for m in inf.store.symbolic.base.means)
     f = (Um[r[te]] * Vm[c[te]]).sum(-1)
     nll = -np.mean(np.where(y[te] == 1, log_expit(f), log_expit(-f)))
     assert max(np.abs(Um).max(), np.abs(Vm).max()) < 4 and nll < 0.75, (nll,)
@@ -286,7 +286,7 @@ def test_stochastic_steps_compute_only_the_moving_factor(rng, monkeypatch, likel
 
     def fit(one_side, **extra):
         if not one_side:
-            monkeypatch.setattr(StepKernel, "_next_phase_only", lambda self: None)
+            monkeypatch.setattr(StepKernel, "_next_phase_only", lambda self, phase: None)
         with pmf(r, c, y, R, C, K, **{**kw, **extra}):
             inf = pymc_mcssvi.HMCSSVI(random_seed=3, row_subsample=4)
             approx = inf.fit(30, progressbar=False)
@@ -361,19 +361,20 @@ def test_terms_added_to_the_product_take_the_exact_conditional_step(rng):
     assert describe(m).predictor("y") == "bilinear + affine"
     with m:
         inf = pymc_mcssvi.MCSSVI(schedule=1.0, hyper="point", bilinear_draws="sigma")
-    k, segs = inf.kernel, inf.tlm.segments
+    segs = inf.tlm.segments
+    st = inf.store.symbolic
     names = [g.name for g in inf.tlm.gaussians]
     seg_of = {names[g]: i for i, seg in enumerate(segs) for g in seg.members}
     su, sv, sb = seg_of["U"], seg_of["V"], seg_of["mu"]
     assert {seg_of[v] for v in ("beta", "a", "b")} == {sb}
     mv = rng.normal(size=(C, K))
     Sv = np.stack([np.diag(rng.uniform(0.1, 0.5, K)) + 0.05 for _ in range(C)])
-    k.cand_mean[sv].set_value(mv)
-    k.cand_factor[sv].set_value(np.linalg.cholesky(np.linalg.inv(Sv)))
+    st.cand.means[sv].set_value(mv)
+    st.cand.factors[sv].set_value(np.linalg.cholesky(np.linalg.inv(Sv)))
     mu_now = rng.normal(size=(R, K))
-    k.cand_mean[su].set_value(mu_now)
-    mb_now = rng.normal(size=k.cand_mean[sb].get_value().shape)
-    k.cand_mean[sb].set_value(mb_now)
+    st.cand.means[su].set_value(mu_now)
+    mb_now = rng.normal(size=st.cand.means[sb].get_value().shape)
+    st.cand.means[sb].set_value(mb_now)
     step = inf._step_function()
     step()  # accepts the current state and takes the phase-1 step (U and the biases)
     # the biases' segment, in its own coordinate order
@@ -392,15 +393,15 @@ def test_terms_added_to_the_product_take_the_exact_conditional_step(rng):
     P = prior + X.T @ X / sigma**2
     f_mean = (mu_now[s] * mv[d]).sum(-1)
     want_m = np.linalg.solve(P, X.T @ (y - f_mean) / sigma**2)
-    L = k.cand_factor[sb].get_value()[0]
+    L = st.cand.factors[sb].get_value()[0]
     got_P = (L @ L.T)[np.ix_(idx, idx)]
-    got_m = k.cand_mean[sb].get_value().reshape(-1)[idx]
+    got_m = st.cand.means[sb].get_value().reshape(-1)[idx]
     np.testing.assert_allclose(got_P, P, rtol=1e-9, atol=1e-12)
     np.testing.assert_allclose(got_m, want_m, rtol=1e-8, atol=1e-10)
     # rows of U: Lim & Teh with the residual of the biases' current mean
     bias_mean = X @ mb_now.reshape(-1)[idx]
-    Lu = k.cand_factor[su].get_value()
-    got_Pu, got_mu = Lu @ Lu.transpose(0, 2, 1), k.cand_mean[su].get_value()
+    Lu = st.cand.factors[su].get_value()
+    got_Pu, got_mu = Lu @ Lu.transpose(0, 2, 1), st.cand.means[su].get_value()
     for i in range(R):
         Pi, bi = np.eye(K) / 1.3**2, np.zeros(K)
         for n in np.flatnonzero(s == i):

@@ -6,6 +6,8 @@ The expected log joint ``E`` is evaluated by the same bound (40-node quadrature,
 so that its own error is far below the finite-difference step).
 """
 
+from types import SimpleNamespace
+
 import numpy as np
 import pymc as pm
 import pytensor
@@ -16,29 +18,30 @@ from pymc_mcssvi.families.gaussian import GaussianBlocks
 
 
 def _functions(inf):
-    k = inf.kernel
-    states = [GaussianBlocks(m, f) for m, f in zip(k.cand_mean, k.cand_factor, strict=True)]
+    st = inf.store.symbolic
+    states = [GaussianBlocks(m, f) for m, f in zip(st.cand.means, st.cand.factors, strict=True)]
     ev = inf.bound.evaluate(states)
-    repl = k.hyper_replacements("cand")
+    hypers = inf.kernel.hypers
+    repl = hypers.spec.replacements(st.hyper.cand) if getattr(hypers, "mode", "") == "point" else {}
     outs = [ev.expected_loglik, *ev.grads, *ev.hessians]
     if repl:
         outs = pytensor.graph.replace.graph_replace(outs, repl, strict=False)
     fn = pytensor.function([], outs)
-    return k, fn
+    return SimpleNamespace(nseg=inf.kernel.nseg, cand=st.cand), fn
 
 
 def _set(k, means, covs):
     for s, (m, S) in enumerate(zip(means, covs, strict=True)):
-        k.cand_mean[s].set_value(m)
-        k.cand_factor[s].set_value(np.linalg.cholesky(np.linalg.inv(S)))
+        k.cand.means[s].set_value(m)
+        k.cand.factors[s].set_value(np.linalg.cholesky(np.linalg.inv(S)))
 
 
 def _check(inf, rng, h=1e-5, rtol=2e-5, atol=1e-6):
     k, fn = _functions(inf)
     nseg = k.nseg
-    means = [rng.normal(size=m.get_value().shape) * 0.3 for m in k.cand_mean]
+    means = [rng.normal(size=m.get_value().shape) * 0.3 for m in k.cand.means]
     covs = []
-    for f in k.cand_factor:
+    for f in k.cand.factors:
         R, K, _ = f.get_value().shape
         A = rng.normal(size=(R, K, K)) * 0.2
         covs.append(A @ A.transpose(0, 2, 1) + 0.05 * np.eye(K))
@@ -193,10 +196,10 @@ def test_colored_hessian_of_row_separable_general_term(rng, cov):
     assert inf.tlm.observed["w"] == "general (MultinomialRV: multivariate)"
     assert inf.tlm.general_rows == (1,)
     k, fn = _functions(inf)
-    means = [rng.normal(size=m.get_value().shape) * 0.3 for m in k.cand_mean]
+    means = [rng.normal(size=m.get_value().shape) * 0.3 for m in k.cand.means]
     covs = [
         np.broadcast_to(0.05 * np.eye(f.get_value().shape[-1]), f.get_value().shape).copy()
-        for f in k.cand_factor
+        for f in k.cand.factors
     ]
     _set(k, means, covs)
     out = fn()

@@ -12,10 +12,10 @@ from pymc_mcssvi.families.gaussian import GaussianBlocks
 def _estimator(model, m, L):
     with model:
         inf = pymc_mcssvi.MCSSVI()
-    k = inf.kernel
-    k.cand_mean[0].set_value(m)
-    k.cand_factor[0].set_value(L)
-    ev = inf.bound.evaluate([GaussianBlocks(k.cand_mean[0], k.cand_factor[0])])
+    st = inf.store.symbolic
+    st.cand.means[0].set_value(m)
+    st.cand.factors[0].set_value(L)
+    ev = inf.bound.evaluate([GaussianBlocks(st.cand.means[0], st.cand.factors[0])])
     with model:
         return pm_compile([], [ev.expected_loglik, ev.grads[0], ev.hessians[0]], random_seed=1)
 

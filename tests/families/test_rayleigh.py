@@ -74,19 +74,19 @@ def gme():
 def test_bound_gradient_in_rayleigh_scale_matches_finite_differences(gme):
     with gme:
         inf = pymc_mcssvi.MCSSVI()
-    k = inf.kernel
-    outs, _ = k.build()
-    sig = k.rayleighs.cand[0]
-    value = outs[1]
+    k, st = inf.kernel, inf.store.symbolic
+    _, info = k.step(st)
+    sig = st.rayleigh.cand[0]
+    value = info.candidate_bound
     from pymc_mcssvi.families.gaussian import GaussianBlocks
 
     ev = inf.bound.evaluate(
-        [GaussianBlocks(m, f) for m, f in zip(k.cand_mean, k.cand_factor, strict=True)]
+        [GaussianBlocks(m, f) for m, f in zip(st.cand.means, st.cand.factors, strict=True)]
     )
-    total = k.rayleighs.evaluate([ev.value])[0]
+    total = k.rayleighs.evaluate(st.rayleigh, [ev.value])[0]
     fn = pytensor.function([], [total, pt.grad(total, sig)])
-    k.cand_mean[0].set_value(np.array([[0.4, -0.3]]))
-    k.cand_factor[0].set_value(np.diag([8.0, 9.0])[None])
+    st.cand.means[0].set_value(np.array([[0.4, -0.3]]))
+    st.cand.factors[0].set_value(np.diag([8.0, 9.0])[None])
     for s0 in (0.5, 0.9):
         sig.set_value(np.asarray(s0))
         _, g = fn()

@@ -12,6 +12,7 @@ import pytest
 import pymc_mcssvi
 from pymc_mcssvi import describe
 from pymc_mcssvi.recognize import recognize
+from pymc_mcssvi.recognize.analysis import local_scale_hypers
 from tests.conftest import nuts_draws
 
 ALGORITHMS = ["mcssvi", "hmcssvi", "sdsvi"]
@@ -700,7 +701,7 @@ def test_local_shrinkage_scales_turn_the_linear_response_off():
         a = pm.Normal("a", 0, 3)
         pm.Normal("y", a + X @ model["beta"], sigma, observed=y)
         inf = pymc_mcssvi.HMCSSVI(random_seed=2)
-    assert inf.local_scale_hypers() == ["phi"] and not inf.linear_response
+    assert local_scale_hypers(inf.tlm) == ["phi"] and not inf.linear_response
     ref = _flat(nuts_draws(model, "r2d2", draws=1000), ["beta", "a"])
     with model:
         approx = inf.fit(progressbar=False)
@@ -713,7 +714,7 @@ def test_local_shrinkage_scales_turn_the_linear_response_off():
         u = pm.Normal("u", 0, 1, shape=10)
         pm.Normal("y", s * u[g], 1.0, observed=rng.normal(size=80))
         glmm = pymc_mcssvi.HMCSSVI(random_seed=2)
-    assert glmm.local_scale_hypers() == [] and glmm.linear_response
+    assert local_scale_hypers(glmm.tlm) == [] and glmm.linear_response
     # a residual sd per group scales every coefficient of its rows: not a local scale
     # (with the view off, the effects' scale sd was 0.78x NUTS's in
     # test_scale_per_group_among_many_hyperparameters)
@@ -723,7 +724,7 @@ def test_local_shrinkage_scales_turn_the_linear_response_off():
         sd = pm.HalfNormal("sd", 1, shape=10)
         pm.Normal("y", u[g] + b * rng.normal(size=80), sd[g], observed=rng.normal(size=80))
         hetero = pymc_mcssvi.HMCSSVI(random_seed=2)
-    assert hetero.local_scale_hypers() == [] and hetero.linear_response
+    assert local_scale_hypers(hetero.tlm) == [] and hetero.linear_response
 
 
 @pytest.mark.slow

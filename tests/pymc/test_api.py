@@ -201,7 +201,7 @@ def test_start_sigma_by_variable_name(data):
         order = inf.approx.groups[0].ordering
         sd_w = 1 / np.sqrt(np.diag(P)[order["w"][1]])
         np.testing.assert_allclose(sd_w, [0.1, 0.2])
-        L_h = inf.kernel.hypers.base_factor.get_value()[0]
+        L_h = inf.store.symbolic.hyper.base_factor.get_value()[0]
         np.testing.assert_allclose(1 / np.diag(L_h), [0.05])
         with pytest.raises(ValueError, match="'nope' is not a free variable"):
             HMCSSVI(start_sigma={"nope": 1.0})

@@ -5,6 +5,8 @@ import pymc as pm
 import pytest
 
 import pymc_mcssvi
+from pymc_mcssvi.algorithms.state import tree_leaves
+from pymc_mcssvi.backend import compile as compile_module
 from pymc_mcssvi.models import pmf
 from pymc_mcssvi.pymc import inference
 
@@ -68,7 +70,7 @@ def test_jax_step_with_row_subsampling_takes_the_python_steps_subsets():
 def test_automatic_jax_falls_back_when_an_op_has_no_translation(monkeypatch, error):
     model = _ordinal_pmf()
     compiled = []
-    real_compile = inference.StructuredVI._compile_step
+    real_compile = inference.StructuredVI._compile
 
     def fake_compile(self, backend, compile_kwargs):
         compiled.append(backend)
@@ -76,7 +78,7 @@ def test_automatic_jax_falls_back_when_an_op_has_no_translation(monkeypatch, err
             raise error
         return real_compile(self, "python", {})
 
-    monkeypatch.setattr(inference.StructuredVI, "_compile_step", fake_compile)
+    monkeypatch.setattr(inference.StructuredVI, "_compile", fake_compile)
     monkeypatch.setattr(inference.StructuredVI, "choose_backend", lambda self: "jax")
     with model:
         inf = pymc_mcssvi.HMCSSVI(random_seed=1)
@@ -84,7 +86,9 @@ def test_automatic_jax_falls_back_when_an_op_has_no_translation(monkeypatch, err
         inf.fit(n=1, progressbar=False)
     assert compiled == ["jax", "python"]  # the fallback is remembered
     assert inf.backend_used == "python"
-    monkeypatch.setattr(inf, "work_estimate", lambda **kw: 2 * inference.JAX_FALLBACK_COMPILE_WORK)
+    monkeypatch.setattr(
+        inf, "work_estimate", lambda **kw: 2 * compile_module.JAX_FALLBACK_COMPILE_WORK
+    )
     assert inf._jax_fallback_backend() == "numba"
     with model, pytest.raises(type(error), match=str(error)[:12]):
         pymc_mcssvi.HMCSSVI(random_seed=1).fit(n=1, progressbar=False, backend="jax")
@@ -132,7 +136,7 @@ def test_automatic_jax_falls_back_when_jax_cannot_trace_the_step(monkeypatch):
 
     with model:
         ref = pymc_mcssvi.HMCSSVI(random_seed=1).fit(n=4, progressbar=False, backend="python")
-        monkeypatch.setattr(inference._HostStateStep, "__call__", untraceable)
+        monkeypatch.setattr(compile_module.HostStateStep, "__call__", untraceable)
         monkeypatch.setattr(inference.StructuredVI, "choose_backend", lambda self: "jax")
         inf = pymc_mcssvi.HMCSSVI(random_seed=1)
         got = inf.fit(n=4, progressbar=False)
@@ -149,9 +153,11 @@ def test_large_steps_compile_with_jax_when_it_is_installed(monkeypatch):
     model = _ordinal_pmf()
     with model:
         inf = pymc_mcssvi.HMCSSVI(random_seed=1)
-    monkeypatch.setattr(inf, "work_estimate", lambda **kw: 10 * inference.COMPILE_WORK_THRESHOLD)
+    monkeypatch.setattr(
+        inf, "work_estimate", lambda **kw: 10 * compile_module.COMPILE_WORK_THRESHOLD
+    )
     assert inf.choose_backend() == "jax"
-    monkeypatch.setattr(inference, "jax_available", lambda: False)
+    monkeypatch.setattr(compile_module, "jax_available", lambda: False)
     assert inf.choose_backend() == "numba"
 
 
@@ -166,7 +172,7 @@ def test_jax_fit_leaves_numpy_state_for_the_rest_of_the_fit():
         ref = pymc_mcssvi.HMCSSVI(random_seed=0).fit(n=3, progressbar=False, backend="python")
         inf = pymc_mcssvi.HMCSSVI(random_seed=0)
         got = inf.fit(n=3, progressbar=False, backend="jax")
-    for v in inf._step_function("jax").state:
+    for v in tree_leaves(inf.store.symbolic):
         assert type(v.get_value(borrow=True)) is np.ndarray, v.name
     # the same with a JAX mode passed through compile_kwargs
     from pytensor.compile.mode import get_mode
@@ -174,7 +180,7 @@ def test_jax_fit_leaves_numpy_state_for_the_rest_of_the_fit():
     with model:
         inf2 = pymc_mcssvi.HMCSSVI(random_seed=0)
         inf2.fit(n=2, progressbar=False, compile_kwargs={"mode": get_mode("JAX")})
-    assert all(type(v.get_value(borrow=True)) is np.ndarray for v in inf2.kernel.base_mean)
+    assert all(type(v.get_value(borrow=True)) is np.ndarray for v in inf2.store.symbolic.base.means)
     np.testing.assert_allclose(got.hist, ref.hist, rtol=1e-9)
     draws = got.sample(50, random_seed=1)
     assert np.all(np.isfinite(draws.posterior["f"].values))
@@ -192,10 +198,10 @@ def test_named_backends_skip_the_matrix_structure_rewrites():
     names = set(structure_rewrites())
     assert names  # the set the exclusion is about is not empty
     for backend in ("jax", "numba"):
-        mode = inference._named_backend_kwargs(backend, {})["mode"]
+        mode = compile_module.named_backend_kwargs(backend, {})["mode"]
         assert names <= set(mode.provided_optimizer.exclude), backend
     user = get_mode("JAX")
-    assert inference._named_backend_kwargs(None, {"mode": user})["mode"] is user
+    assert compile_module.named_backend_kwargs(None, {"mode": user})["mode"] is user
 
 
 def test_steps_dominated_by_one_covariance_are_not_compiled():
@@ -213,8 +219,8 @@ def test_steps_dominated_by_one_covariance_are_not_compiled():
         rw = pm.math.cumsum(pm.HalfNormal("s_rw", 0.3) * z, axis=1)
         pm.Poisson("y", pm.math.exp(a + u[gi] + rw[gi, ti]), observed=rng.poisson(2, G * T))
         inf = pymc_mcssvi.HMCSSVI(random_seed=1)
-    assert inf.work_estimate() > inference.COMPILE_WORK_THRESHOLD
-    assert inf.work_estimate(linear_algebra=False) < inference.COMPILE_WORK_THRESHOLD
+    assert inf.work_estimate() > compile_module.COMPILE_WORK_THRESHOLD
+    assert inf.work_estimate(linear_algebra=False) < compile_module.COMPILE_WORK_THRESHOLD
     assert inf.choose_backend() == "python"
 
 
@@ -237,9 +243,9 @@ def test_many_rows_of_quadrature_work_are_compiled(groups, backend, monkeypatch)
         pm.Bernoulli("y", logit_p=eta, observed=rng.integers(0, 2, n))
         inf = pymc_mcssvi.HMCSSVI(random_seed=1)
     work = inf.work_estimate(linear_algebra=False)
-    assert (work > inference.COMPILE_WORK_THRESHOLD) == (backend == "compiled")
-    want = "jax" if backend == "compiled" and inference.jax_available() else "python"
+    assert (work > compile_module.COMPILE_WORK_THRESHOLD) == (backend == "compiled")
+    want = "jax" if backend == "compiled" and compile_module.jax_available() else "python"
     assert inf.choose_backend() == want
     # without JAX only numba compiles, and its cold compilation costs 40-190 s
-    monkeypatch.setattr(inference, "jax_available", lambda: False)
+    monkeypatch.setattr(compile_module, "jax_available", lambda: False)
     assert inf.choose_backend() == "python"

@@ -7,8 +7,8 @@ import pytest
 from scipy.special import expit
 
 import pymc_mcssvi
-from pymc_mcssvi.algorithms import marginal
 from pymc_mcssvi.algorithms.kernel import MAX_COUPLED_HYPERS
+from pymc_mcssvi.posterior import marginal
 from tests.conftest import nuts_draws
 
 

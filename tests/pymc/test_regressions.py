@@ -169,7 +169,7 @@ def test_step_without_structure_rewrites_gives_the_same_fit(grouped_data):
     from pytensor.compile.mode import Mode, get_mode
     from pytensor.link.vm import VMLinker
 
-    from pymc_mcssvi.pymc.inference import python_step_mode, structure_rewrites
+    from pymc_mcssvi.backend.modes import python_step_mode, structure_rewrites
 
     names = structure_rewrites()
     assert {"diagonal_solve_to_division", "dot_diag_to_elemwise", "cholesky_of_diag"} <= set(names)
@@ -502,11 +502,12 @@ def test_bound_value_of_a_centered_matrix_of_effects_follows_its_scale():
 
     with model(True):
         inf = pymc_mcssvi.HMCSSVI(random_seed=1)
-    k, hyp = inf.kernel, inf.kernel.hypers
-    for m in k.base_mean:
+    hyp = inf.kernel.hypers
+    st = inf.store.symbolic
+    for m in st.base.means:
         m.set_value(rng.normal(size=m.get_value().shape))
     ev = inf.bound.evaluate(
-        [GaussianBlocks(m, f) for m, f in zip(k.base_mean, k.base_factor, strict=True)]
+        [GaussianBlocks(m, f) for m, f in zip(st.base.means, st.base.factors, strict=True)]
     )
     h = pt.vector("h", shape=(1,))
     val = graph_replace(ev.value, hyp.spec.replacements(h), strict=False)

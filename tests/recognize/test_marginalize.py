@@ -87,11 +87,11 @@ def test_jensen_bound_is_lower():
 def _bound_at(model, m0, S0):
     with model:
         inf = pymc_mcssvi.MCSSVI(hyper="point", cov="full")
-    k = inf.kernel
-    k.cand_mean[0].set_value(m0)
-    k.cand_factor[0].set_value(np.linalg.cholesky(np.linalg.inv(S0)))
-    outs, _ = k.build()
-    return float(pytensor.function([], outs[1])())
+    k, st = inf.kernel, inf.store.symbolic
+    st.cand.means[0].set_value(m0)
+    st.cand.factors[0].set_value(np.linalg.cholesky(np.linalg.inv(S0)))
+    _, info = k.step(st)
+    return float(pytensor.function([], info.candidate_bound)())
 
 
 def test_zero_inflated_indicator_equals_pm_zero_inflated_poisson():
@@ -225,7 +225,7 @@ def test_local_posterior_moments_average_the_exact_conditionals():
     """Gaussian likelihood: given w, f_i | y_i is Gaussian in closed form; the
     local's reported mean and sd are its moments averaged over the same draws of w
     (law of total variance), whatever the batching over draws."""
-    from pymc_mcssvi.pymc import locals as L
+    from pymc_mcssvi.posterior import locals as L
 
     rng = np.random.default_rng(7)
     N, s, sig = 40, 0.7, 0.5

@@ -29,7 +29,7 @@ their conditional means along the axes (:func:`conditional_mean_table`,
 moments by :func:`draw_moments`).
 
 With one or two coordinates the draws of ``h`` and its moments come from the
-profile on a grid instead (:mod:`pymc_mcssvi.algorithms.profile_grid`), which
+profile on a grid instead (:mod:`pymc_mcssvi.posterior.profile_grid`), which
 follows tails and ridges the axes' slices leave out; the axis marginal's
 directions still key the view's tables, and the moments of the Gaussian
 globals' draws come from q(w | h) re-fitted at the grid's nodes.
@@ -45,6 +45,7 @@ from scipy.interpolate import PchipInterpolator
 from scipy.linalg import solve_triangular
 from scipy.special import ndtr
 
+from pymc_mcssvi.algorithms.state import QState
 from pymc_mcssvi.families.gaussian import GaussianBlocks, natural_step, natural_step_gain
 
 __all__ = [
@@ -178,7 +179,9 @@ HESSIAN_STEP = 0.25
 MAX_AXIS_RESCALES = 3
 
 
-def refit_graph(kernel, project: bool = True, gain: bool = False, sensitivity: bool = False):
+def refit_graph(
+    bound, spec, like: QState, project: bool = True, gain: bool = False, sensitivity: bool = False
+):
     """One natural step of q(w) at a point ``h``: the profile's building block.
 
     Returns ``(inputs, outputs)``. ``inputs`` are the model's value variables of
@@ -194,13 +197,16 @@ def refit_graph(kernel, project: bool = True, gain: bool = False, sensitivity: b
     :func:`averaged_view_factors` reads from them how each coordinate's effect
     on the data scales with ``h``).
     :class:`ConditionalProfile` iterates it to the optimum of q(w | h).
+
+    ``bound`` is the fit's :class:`~pymc_mcssvi.bounds.structured.StructuredBound`,
+    ``spec`` its hyperparameters' :class:`~pymc_mcssvi.algorithms.hyperparameters.HyperSpec`
+    and ``like`` a q(w) state whose variables give the means' and factors' types.
     """
-    hyp = kernel.hypers
     rho = pt.scalar("refit_rho", dtype="float64")
-    means = [m.type(f"refit_mean_{s}") for s, m in enumerate(kernel.base_mean)]
-    factors = [f.type(f"refit_factor_{s}") for s, f in enumerate(kernel.base_factor)]
+    means = [m.type(f"refit_mean_{s}") for s, m in enumerate(like.means)]
+    factors = [f.type(f"refit_factor_{s}") for s, f in enumerate(like.factors)]
     states = [GaussianBlocks(m, f) for m, f in zip(means, factors, strict=True)]
-    ev = kernel.bound.evaluate(states)
+    ev = bound.evaluate(states)
     # as in the fit's step: non-finite derivatives (far out along q(h)'s axes) must not
     # reach the projection's eigendecomposition, which raises; the step's bound is then
     # not finite and the re-fit backs off
@@ -210,14 +216,14 @@ def refit_graph(kernel, project: bool = True, gain: bool = False, sensitivity: b
         natural_step(st, g, H, rho, project=project)
         for st, g, H in zip(states, grads, hessians, strict=True)
     ]
-    inputs = [*hyp.spec.values, rho, *means, *factors]
+    inputs = [*spec.values, rho, *means, *factors]
     outputs = [ev.value, *[st.mean for st in new], *[st.factor for st in new]]
     if gain:
         outputs.append(
             sum(natural_step_gain(st, nw, g) for st, nw, g in zip(states, new, grads, strict=True))
         )
     if sensitivity:
-        outputs.extend(kernel.bound.sensitivities(len(states)))
+        outputs.extend(bound.sensitivities(len(states)))
     return inputs, outputs
 
 

@@ -6,7 +6,8 @@ import pytensor.tensor as pt
 import pytest
 
 import pymc_mcssvi
-from pymc_mcssvi.algorithms.marginal import (
+from pymc_mcssvi.posterior import hyper_marginal
+from pymc_mcssvi.posterior.marginal import (
     AXIS_POINTS,
     EPS_GRID,
     MAX_AXIS_RESCALES,
@@ -166,11 +167,11 @@ def _profile_step(model):
     with model:
         inf = pymc_mcssvi.HMCSSVI(random_seed=1)
         inf.fit(progressbar=False)
-    k = inf.kernel
-    h = k.hypers.base_mean.get_value()[0]
-    means = [m.get_value() for m in k.base_mean]
-    factors = [f.get_value() for f in k.base_factor]
-    return inf._compile_profile(), h, means, factors
+    st = inf.store.symbolic
+    h = st.hyper.base_mean.get_value()[0]
+    means = [m.get_value() for m in st.base.means]
+    factors = [f.get_value() for f in st.base.factors]
+    return inf._posterior._compile_profile(), h, means, factors
 
 
 @pytest.mark.parametrize("likelihood", ["gaussian", "bernoulli"])
@@ -435,8 +436,8 @@ def test_view_noise_keeps_the_data_fixed_direction_of_crossed_noncentered_effect
     under the view was up to 2.8x the re-fitted q(w | h)'s (grouseticks). Averaged in the
     data's coordinates (``sigma z``) it stays within 10%, and ``approx.std`` matches the
     draws' sd."""
-    from pymc_mcssvi.algorithms.marginal import NODES, _block_covariance
-    from pymc_mcssvi.pymc import conditional
+    from pymc_mcssvi.posterior import conditional
+    from pymc_mcssvi.posterior.marginal import NODES, _block_covariance
 
     monkeypatch.setattr(conditional, "EXACT_CONDITIONAL_WORK", 0.0)  # draws from the view
     m, brood, loc, x = _nested_crossed_poisson(np.random.default_rng(0))
@@ -455,7 +456,9 @@ def test_view_noise_keeps_the_data_fixed_direction_of_crossed_noncentered_effect
     S_view = scale[:, None] * _block_covariance(L_view)[0] * scale[None, :]
     # q(w | h) re-fitted there
     names = [v.name for v in hyper.spec.values]
-    refit = inf._conditional_globals.refit([np.array([centre_h[i]]) for i in range(len(names))])
+    refit = inf._posterior._conditional_globals.refit(
+        [np.array([centre_h[i]]) for i in range(len(names))]
+    )
     S_exact = _block_covariance(refit[1][0][0])[0]
     order = approx.ordering
     sb, sl = np.exp(centre_h[names.index("sb_log__")]), np.exp(centre_h[names.index("sl_log__")])
@@ -518,7 +521,7 @@ def test_confounded_noncentered_effects_against_nuts():
 def _view_and_refitted_draws(monkeypatch, approx, name, n_view, n_exact):
     """Draws of ``name`` from the conditional view (seed 2) and from q(w | h) re-fitted at
     each draw of the hyperparameters (seed 3), flattened to ``(draws, -1)``."""
-    from pymc_mcssvi.pymc import conditional
+    from pymc_mcssvi.posterior import conditional
 
     monkeypatch.setattr(conditional, "EXACT_CONDITIONAL_WORK", 0.0)  # draws from the view
     view = approx.sample(n_view, random_seed=2).posterior[name].values.reshape(n_view, -1)
@@ -589,7 +592,6 @@ def test_data_coordinate_scales_are_evaluated_in_bounded_batches(monkeypatch):
     in one call took 24 GB (the machine's memory). They add up across the axes here (the
     scale is ``tau``), so the profile points give the grid; evaluated point by point
     anyway, they are the same."""
-    import pymc_mcssvi.pymc.inference as inference
 
     m = _spline_gamm()
     with m:
@@ -599,10 +601,12 @@ def test_data_coordinate_scales_are_evaluated_in_bounded_batches(monkeypatch):
     # they add up: a table along each axis, the grid a placeholder row
     assert inf._view.log_scale_axes.get_value().shape[:2] == (3, 9)
     assert inf._view.log_scale_grid.get_value().shape[0] == 1
-    hs = np.random.default_rng(0).normal(inf.kernel.hypers.base_mean.get_value()[0], 0.3, (5, 3))
-    whole = inf._log_sensitivities(hs)
-    monkeypatch.setattr(inference, "SENSITIVITY_BATCH_BYTES", 1)
-    np.testing.assert_allclose(inf._log_sensitivities(hs), whole, rtol=1e-12)
+    hs = np.random.default_rng(0).normal(
+        inf.store.symbolic.hyper.base_mean.get_value()[0], 0.3, (5, 3)
+    )
+    whole = inf._posterior.log_sensitivities(hs)
+    monkeypatch.setattr(hyper_marginal, "SENSITIVITY_BATCH_BYTES", 1)
+    np.testing.assert_allclose(inf._posterior.log_sensitivities(hs), whole, rtol=1e-12)
     post = approx.sample(2000, random_seed=2).posterior
     assert np.all(np.isfinite(post["f"].values))
 
@@ -643,7 +647,7 @@ def test_view_noise_scaled_per_coordinate_only_where_that_fits_the_refits():
     coordinate would widen the fixed sum (to 0.14 at the axis' ends); the averaged
     covariance is kept as it is, and the sum keeps its variance. Independent coordinates
     whose variances change keep the per-coordinate scaling."""
-    from pymc_mcssvi.algorithms.marginal import NODES, averaged_view_factors
+    from pymc_mcssvi.posterior.marginal import NODES, averaged_view_factors
 
     u = np.ones(3) / np.sqrt(3.0)
     d1 = np.array([1.0, -1.0, 0.0]) / np.sqrt(2.0)

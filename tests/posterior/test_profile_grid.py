@@ -1,17 +1,18 @@
-"""q(h) from the profile on a grid (``pymc_mcssvi.algorithms.profile_grid``)."""
+"""q(h) from the profile on a grid (``pymc_mcssvi.posterior.profile_grid``)."""
 
 import numpy as np
 import pymc as pm
 import pytest
 
 import pymc_mcssvi
+from pymc_mcssvi.posterior import hyper_marginal
 from pymc_mcssvi.pymc import inference
-from tests.algorithms.test_marginal import _exact_scale_posterior, _lmm, _lmm_model
+from tests.posterior.test_marginal import _exact_scale_posterior, _lmm, _lmm_model
 
 
 def _exact_scale_marginal(g, x, y, G):
     """Mean and 5% quantile of the exact posterior of ``sd_a``
-    (:func:`~tests.algorithms.test_marginal._exact_scale_posterior`), on a grid reaching
+    (:func:`~tests.posterior.test_marginal._exact_scale_posterior`), on a grid reaching
     far into its left tail."""
     ha = np.linspace(np.log(0.0005), np.log(2.0), 200)
     p = _exact_scale_posterior(g, x, y, G, ha)
@@ -52,7 +53,7 @@ def test_grid_nodes_serve_draws_when_refits_are_not_affordable(monkeypatch):
     q(w | h) at the grid's nodes, interpolated between them. On the Gaussian LMM their
     mean and sd match those of exact re-fits at every draw (same ``h`` draws: same seed)
     to within Monte Carlo error."""
-    from pymc_mcssvi.pymc import conditional
+    from pymc_mcssvi.posterior import conditional
 
     rng = np.random.default_rng(1)
     g, x, y = _lmm(rng, G=10)
@@ -72,36 +73,36 @@ def test_grid_affordability_is_judged_without_compiling_the_batched_refit(monkey
     re-fit at one point, already compiled) held: a grid that is not affordable does not
     compile the batched re-fit to find out. That memory is the batched step's per draw
     plus the data, which both hold once (measured 1.10-1.18x on the GLMM benchmark)."""
-    from pymc_mcssvi.pymc import conditional
+    from pymc_mcssvi.posterior import conditional
 
     rng = np.random.default_rng(0)
     g, x, y = _lmm(rng, G=10)
     with _lmm_model(g, x, y, 10, centered=False):
         inf = pymc_mcssvi.HMCSSVI(random_seed=1)
         inf.fit(progressbar=False)
-    cg = inf._conditional_globals
+    cg = inf._posterior._conditional_globals
     assert int(inf._grid[0].get_value()) == 1 and cg._fn is not None
-    single = conditional.step_measure(inf._profile_fn.fn)[0]
-    mu = inf.kernel.hypers.base_mean.get_value()[0]
+    single = conditional.step_measure(inf._posterior._profile_fn.fn)[0]
+    mu = inf.store.symbolic.hyper.base_mean.get_value()[0]
     shapes = inf.kernel.hypers.spec.shapes
-    per_draw = cg.bytes_per_draw(inference._by_variable(np.tile(mu, (2, 1)), shapes))
+    per_draw = cg.bytes_per_draw(hyper_marginal.by_variable(np.tile(mu, (2, 1)), shapes))
     assert per_draw <= single <= 1.5 * per_draw, (single, per_draw)
     monkeypatch.setattr(conditional, "EXACT_CONDITIONAL_BYTES", 1.0)
     with _lmm_model(g, x, y, 10, centered=False):
         inf = pymc_mcssvi.HMCSSVI(random_seed=1)
         inf.fit(progressbar=False)
-    assert int(inf._grid[0].get_value()) == 0 and inf._conditional_globals._fn is None
+    assert int(inf._grid[0].get_value()) == 0 and inf._posterior._conditional_globals._fn is None
 
 
 def test_a_batched_refit_that_fails_keeps_the_axis_marginal(monkeypatch):
     """Measuring the batched re-fit (where the profile's step cannot stand in for it)
     compiles it: if that fails, the fit still ends, with the axis marginal."""
-    from pymc_mcssvi.pymc import conditional
+    from pymc_mcssvi.posterior import conditional
 
     def broken(self):
         raise RuntimeError("cannot vectorize")
 
-    monkeypatch.setattr(inference, "step_measure", lambda fn: None)
+    monkeypatch.setattr(hyper_marginal, "step_measure", lambda fn: None)
     monkeypatch.setattr(conditional.ConditionalGlobals, "_compile", broken)
     rng = np.random.default_rng(0)
     g, x, y = _lmm(rng, G=10)

@@ -2,9 +2,9 @@
 
 The linear-response view draws ``w | h`` from one Gaussian moved along ``h``:
 the mean by tables along q(h)'s axes
-(:func:`~pymc_mcssvi.algorithms.marginal.conditional_mean_table`), the
+(:func:`~pymc_mcssvi.posterior.marginal.conditional_mean_table`), the
 covariance averaged over the profile points and scaled per coordinate
-(:func:`~pymc_mcssvi.algorithms.marginal.averaged_view_factors`). With few
+(:func:`~pymc_mcssvi.posterior.marginal.averaged_view_factors`). With few
 groups that is not enough: in ``a = mu_a + sigma_a z`` with 3 groups, each
 ``a_g`` is fixed by its 30 rows while ``mu_a`` and ``z`` lie on a ridge whose
 direction turns with ``sigma_a``, and no single covariance (nor one per axis)
@@ -12,7 +12,7 @@ follows it: the draws of ``a`` came out 1.7-1.9x wider than NUTS's (8 groups:
 1.1-1.4x), although every free variable was within 0.1 sd of NUTS.
 
 Here each draw of ``h`` gets its own q(w | h): the natural steps of
-:func:`~pymc_mcssvi.algorithms.marginal.refit_graph` vectorized over the draws,
+:func:`~pymc_mcssvi.posterior.marginal.refit_graph` vectorized over the draws,
 from the linear response of the fitted q(w), until the bound settles (a step
 that lowers it is retried with half the step size), then ``w = m(h) +
 L(h)^{-T} e``. It costs about as much per draw and step as a fit's iteration
@@ -40,9 +40,9 @@ from pytensor.tensor.elemwise import Elemwise
 from threadpoolctl import threadpool_limits
 
 from pymc_mcssvi.algorithms.hyperparameters import shapes_at_fixed
-from pymc_mcssvi.algorithms.marginal import REFIT_TOL, refit_graph
-from pymc_mcssvi.algorithms.profile_grid import LADDER
 from pymc_mcssvi.backend.modes import graph_building, python_few_calls_mode
+from pymc_mcssvi.posterior.marginal import REFIT_TOL, refit_graph
+from pymc_mcssvi.posterior.profile_grid import LADDER
 from pymc_mcssvi.recognize.vectorize import vectorize_graph
 
 __all__ = [
@@ -108,7 +108,7 @@ MAX_INLINE_LEVELS = 10
 
 class GridNodes(NamedTuple):
     """q(w | h) re-fitted at the nodes of the gridded q(h)
-    (:mod:`~pymc_mcssvi.algorithms.profile_grid`): ``h = centre + scales *
+    (:mod:`~pymc_mcssvi.posterior.profile_grid`): ``h = centre + scales *
     LADDER[index]``.
 
     Attributes
@@ -116,7 +116,7 @@ class GridNodes(NamedTuple):
     centre, scales : np.ndarray
         ``(n_h,)`` the grid's centre and coordinate scales.
     index : np.ndarray
-        ``(m, n_h)`` the nodes' positions in :data:`~pymc_mcssvi.algorithms.profile_grid.LADDER`.
+        ``(m, n_h)`` the nodes' positions in :data:`~pymc_mcssvi.posterior.profile_grid.LADDER`.
     means, factors : list of np.ndarray
         Per segment, the re-fitted means ``(m, R, K)`` and precision Cholesky factors
         ``(m, R, K, K)``.
@@ -138,7 +138,9 @@ class ConditionalGlobals:
     Parameters
     ----------
     kernel : StepKernel
-        The fitted kernel (its accepted q(w), the hyperparameters' linear responses).
+        The fitted kernel (its bound and hyperparameters).
+    store : SharedState
+        The fit's state: its accepted q(w) and the hyperparameters' linear responses.
     model : pm.Model
     group : StructuredGaussianGroup
         The Gaussian globals' group (its ``ordering`` and ``flat_maps``).
@@ -153,8 +155,9 @@ class ConditionalGlobals:
         exact re-fit, instead of a re-fit at every draw.
     """
 
-    def __init__(self, kernel, model, group, work_per_draw):
+    def __init__(self, kernel, store, model, group, work_per_draw):
         self.kernel = kernel
+        self.store = store
         self.model = model
         self.group = group
         self.work_per_draw = float(max(work_per_draw, 1.0))
@@ -215,7 +218,9 @@ class ConditionalGlobals:
     def _compile(self):
         k = self.kernel
         with graph_building():
-            inputs, outputs = _inlined(*refit_graph(k, project=False))
+            inputs, outputs = _inlined(
+                *refit_graph(k.bound, k.hypers.spec, self.store.symbolic.base, project=False)
+            )
             if k.hypers.spec.fixed_shapes:
                 outputs = shapes_at_fixed(inputs, outputs)
             batched = [
@@ -260,24 +265,22 @@ class ConditionalGlobals:
         """
         if self._fn is None:
             self._fn = self._compile()
-        k, hyp = self.kernel, self.kernel.hypers
+        state = self.store.get(borrow=True)
         n = hs[0].shape[0]
         flat_h = np.concatenate([h.reshape(n, -1) for h in hs], axis=1)
         if start is None:
-            dh = flat_h - hyp.base_mean.get_value()[0]
+            dh = flat_h - state.hyper.base_mean[0]
             means = [
-                m.get_value()[None] + np.tensordot(dh, U.get_value(), [[1], [-1]])
-                for m, U in zip(k.base_mean, hyp.lr_responses, strict=True)
+                m[None] + np.tensordot(dh, U, [[1], [-1]])
+                for m, U in zip(state.base.means, state.hyper.lr_responses, strict=True)
             ]
-            factors = [
-                np.broadcast_to(f.get_value(), (n, *f.get_value().shape)) for f in k.base_factor
-            ]
+            factors = [np.broadcast_to(f, (n, *f.shape)) for f in state.base.factors]
         else:
             start_means, factors, at = start
             dh = flat_h - at
             means = [
-                m + np.tensordot(dh, U.get_value(), [[1], [-1]])
-                for m, U in zip(start_means, hyp.lr_responses, strict=True)
+                m + np.tensordot(dh, U, [[1], [-1]])
+                for m, U in zip(start_means, state.hyper.lr_responses, strict=True)
             ]
         means = [np.array(m) for m in means]  # written per draw below
         factors = [np.array(f) for f in factors]

@@ -1,6 +1,6 @@
 r"""q(h) from the profile on a grid, for one or two hyperparameter coordinates.
 
-The axis marginal (:mod:`pymc_mcssvi.algorithms.marginal`) evaluates the
+The axis marginal (:mod:`pymc_mcssvi.posterior.marginal`) evaluates the
 profile ``L(h) = max_{q(w)} bound(q(w), h)`` on straight lines along q(h)'s
 principal axes, out to 4 sds, and draws the axes independently. A group scale's
 log has a long, curved tail that neither follows: on the grouseticks GLMM
@@ -34,7 +34,7 @@ import pytensor.tensor as pt
 from scipy.interpolate import CubicSpline
 from scipy.special import ndtr
 
-from pymc_mcssvi.algorithms.marginal import AXIS_POINTS, EPS_GRID
+from pymc_mcssvi.posterior.marginal import AXIS_POINTS, EPS_GRID
 
 __all__ = [
     "GRID_DROP",
@@ -156,10 +156,10 @@ def grid_wanted(axis_values, corner_values) -> tuple[bool, float, float]:
     ----------
     axis_values : np.ndarray
         ``(n, len(AXIS_POINTS))`` the profile along q(h)'s axes, relative to the
-        centre (:attr:`~pymc_mcssvi.algorithms.marginal.AxisMarginal.log_density`).
+        centre (:attr:`~pymc_mcssvi.posterior.marginal.AxisMarginal.log_density`).
     corner_values : np.ndarray
         The profile relative to the centre at ``+-2`` sds on each pair of axes, in the
-        order of :func:`~pymc_mcssvi.algorithms.marginal.off_axis_nodes`.
+        order of :func:`~pymc_mcssvi.posterior.marginal.off_axis_nodes`.
 
     Returns
     -------

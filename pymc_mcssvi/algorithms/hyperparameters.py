@@ -56,9 +56,9 @@ from pymc_mcssvi.families.gaussian import (
     bmm,
     cho_solve_columns,
     covariance,
-    entropy,
     natural_step,
 )
+from pymc_mcssvi.families.gaussian import entropy as gaussian_entropy
 from pymc_mcssvi.recognize.graph import depends_on_any
 from pymc_mcssvi.recognize.vectorize import jacobian, vectorize_graph
 
@@ -524,8 +524,9 @@ class PointHyperparameters:
         """The candidate back at the accepted estimate (values)."""
         return state._replace(cand=np.copy(state.base), cand_opt=tuple(state.base_opt))
 
-    def evaluate(self, state: PointHyperState, outputs, n_values=1):
-        """Outputs at the candidate ``h``, plus finiteness and the derivatives in ``h``."""
+    def evaluate(self, state: PointHyperState, outputs, n_values=1, entropy=True):
+        """Outputs at the candidate ``h``, plus finiteness and the derivatives in ``h``
+        (a point has no entropy: ``entropy`` is for the interface's sake)."""
         outs = graph_replace(outputs, self.spec.replacements(state.cand), strict=False)
         if self.spec.optimizer is None:  # the Newton step differentiates twice
             outs = twice_differentiable_products(outs)
@@ -617,10 +618,11 @@ class MeanFieldHyperparameters:
         A = pt.linalg.solve_triangular(state.factor[0], pt.eye(self.spec.size), lower=True).T
         return state.mean + pt.constant(self.z) @ A.T
 
-    def evaluate(self, state: GaussianHyperState, outputs, n_values=1, cross=()):
+    def evaluate(self, state: GaussianHyperState, outputs, n_values=1, cross=(), entropy=True):
         """Sigma-point averages of the outputs and of the derivatives in ``h``.
 
-        The entropy of q(h) is added to the first ``n_values`` outputs (bound values).
+        The entropy of q(h) is added to the first ``n_values`` outputs (bound values),
+        with ``entropy`` (a part of a bound split into parts takes it once).
         For the outputs at the positions ``cross`` (q(w)'s gradients ``g_s`` and
         Hessians ``H_s``), the auxiliary result also holds the cross derivatives
         ``E[d x / d h]``, of shape ``x.shape + (n_h,)`` (``None`` where ``x``
@@ -660,8 +662,9 @@ class MeanFieldHyperparameters:
                 batched[i] * _expand(w, batched[i].ndim), draws - st.mean, [[0], [0]]
             )
             crosses.append(C_s @ P_h)
-        ent = entropy(st, "precision")
-        outs_avg = [o + ent if i < n_values else o for i, o in enumerate(outs_avg)]
+        if entropy:
+            ent = gaussian_entropy(st, "precision")
+            outs_avg = [o + ent if i < n_values else o for i, o in enumerate(outs_avg)]
         finite = _finite(g_h, H_h, *[c for c in crosses if c is not None])
         return outs_avg, finite, (g_h, H_h, crosses)
 

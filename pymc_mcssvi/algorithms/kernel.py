@@ -23,18 +23,105 @@ raises :class:`~pymc_mcssvi.exceptions.DivergenceError` and the base is kept.
 
 from __future__ import annotations
 
+import warnings
+from typing import NamedTuple
+
 import numpy as np
+import pytensor
 import pytensor.tensor as pt
+from pytensor.graph.replace import graph_replace
 
 from pymc_mcssvi.algorithms.arrow import Arrow, arrow_solve, arrow_view, schur_factor
 from pymc_mcssvi.algorithms.state import ArrowState, KernelState, QState, StepInfo, tree_map
 from pymc_mcssvi.families.gaussian import GaussianBlocks, bmv, cholesky, precision
+from pymc_mcssvi.terms.base import Chunk
+from pymc_mcssvi.terms.chunks import chunk_layout
 
 __all__ = ["MAX_COUPLED_HYPERS", "StepKernel"]
 
 #: Largest number of mean-field hyperparameter coordinates whose step is coupled with
 #: q(w)'s mean step (one extra blockwise solve per coordinate).
 MAX_COUPLED_HYPERS = 32
+#: Bytes of intermediates one term's evaluation may hold before it is reduced chunk
+#: by chunk: the step's peak memory is then a few of these plus q, whatever the data.
+CHUNK_BYTES = 2**28
+
+
+class Part(NamedTuple):
+    """A part of an evaluation: the outputs (bound values, ``g``, ``H``, the arrow's
+    cross blocks), whether they are finite, the hyperparameters' derivatives and the
+    Rayleigh scales' gradients; parts add up (:func:`_sum_parts`)."""
+
+    outs: list
+    finite: object
+    haux: object
+    rgrads: object
+    n_values: int
+
+
+def _flatten_part(part: Part):
+    """The tensors of a part as a flat list (the finiteness as int8), and the function
+    that rebuilds a :class:`Part` from such a list."""
+    flat = list(part.outs) + [pt.cast(part.finite, "int8")]
+    haux = part.haux
+    layout = None
+    if haux is not None:
+        first = [x for x in haux[:2]]
+        crosses = list(haux[2]) if len(haux) > 2 else None
+        layout = (
+            [x is not None for x in first],
+            None if crosses is None else [c is not None for c in crosses],
+        )
+        flat += [x for x in first if x is not None]
+        if crosses is not None:
+            flat += [c for c in crosses if c is not None]
+    rg = list(part.rgrads) if part.rgrads is not None else None
+    if rg is not None:
+        flat += rg
+    n_outs = len(part.outs)
+
+    def rebuild(values):
+        values = list(values)
+        outs, finite = values[:n_outs], pt.gt(values[n_outs], 0)
+        rest = values[n_outs + 1 :]
+        new_haux = None
+        if layout is not None:
+            present, cross_present = layout
+            first = [rest.pop(0) if p else None for p in present]
+            if cross_present is None:
+                new_haux = tuple(first)
+            else:
+                new_haux = (*first, [rest.pop(0) if p else None for p in cross_present])
+        new_rg = rest if rg is not None else None
+        return Part(outs, finite, new_haux, new_rg, part.n_values)
+
+    return flat, rebuild
+
+
+def _sum_parts(parts):
+    """The sum of the parts of an evaluation (finite where every part is)."""
+    first, *others = parts
+
+    def add(a, b):
+        if a is None:
+            return b
+        if b is None:
+            return a
+        return a + b
+
+    outs, finite, haux, rgrads = list(first.outs), first.finite, first.haux, first.rgrads
+    for p in others:
+        outs = [add(a, b) for a, b in zip(outs, p.outs, strict=True)]
+        finite = finite & p.finite
+        if haux is not None:
+            head = [add(a, b) for a, b in zip(haux[:2], p.haux[:2], strict=True)]
+            if len(haux) > 2:
+                haux = (*head, [add(a, b) for a, b in zip(haux[2], p.haux[2], strict=True)])
+            else:
+                haux = tuple(head)
+        if rgrads is not None:
+            rgrads = [a + b for a, b in zip(rgrads, p.rgrads, strict=True)]
+    return Part(outs, finite, haux, rgrads, first.n_values)
 
 
 class StepKernel:
@@ -50,8 +137,14 @@ class StepKernel:
         Reject candidates whose bound is lower (valid when the bound estimate is
         deterministic: full batch and quadrature / fixed draws).
     rayleighs : RayleighGlobals or None
-    shapes : tuple of list
-        The segments' mean and factor shapes, ``((R, K), ...)`` and ``((R, K, K), ...)``.
+    nseg : int
+        Segments of q(w).
+    chunk_budget : float, optional
+        Bytes of intermediates a term may hold in one evaluation (default
+        :data:`CHUNK_BYTES`); a term that would hold more is reduced chunk by chunk.
+    chunk_size : int, optional
+        Observations per chunk of every data term that can be split (tests, and
+        users who know their memory); ``None`` chooses by ``chunk_budget``.
     """
 
     def __init__(
@@ -63,6 +156,8 @@ class StepKernel:
         monotone=True,
         rayleighs=None,
         nseg: int = 0,
+        chunk_budget: float = None,
+        chunk_size=None,
     ):
         self.bound = bound
         self.rayleighs = rayleighs
@@ -71,6 +166,11 @@ class StepKernel:
         self.monotone = bool(monotone)
         self.hypers = hypers if (hypers is not None and getattr(hypers.spec, "size", 0)) else None
         self.nseg = int(nseg)
+        #: Bytes of intermediates a term may hold in one evaluation before it is
+        #: reduced chunk by chunk (:meth:`chunk_plan`).
+        self.chunk_budget = CHUNK_BYTES if chunk_budget is None else float(chunk_budget)
+        #: Observations per chunk of every splittable data term (``None``: by budget).
+        self.chunk_size = chunk_size
         #: Phases of a step: the factors of a matrix factorization move in turn.
         self.n_phases = len(getattr(bound, "phase_segments", [None]))
         self.coupled = (
@@ -164,49 +264,40 @@ class StepKernel:
             return None
         return (phase + 1) % self.n_phases
 
-    def step(self, state: KernelState, by_node: bool = False) -> tuple[KernelState, StepInfo]:
+    def step(
+        self, state: KernelState, by_node: bool = False, inner_mode=None
+    ) -> tuple[KernelState, StepInfo]:
         """One iteration as a graph: the new state and the :class:`StepInfo`.
 
         ``state`` is symbolic (usually :attr:`SharedState.symbolic`). With several
         *phases* (matrix factorization: one per factor) each step moves only the
         segments of the current phase, and a candidate is judged by that phase's
         value, the objective its gradients belong to. ``by_node`` sums
-        one-dimensional quadratures a node at a time (a JAX step).
+        one-dimensional quadratures a node at a time (a JAX step); ``inner_mode`` is
+        the compile mode of the scans that reduce chunked terms (the backend's own).
         """
         alg = self.algorithm
         nseg = self.nseg
         cand = [GaussianBlocks(m, f) for m, f in zip(*state.cand, strict=True)]
-        # The factors move in turn: a factor's subsample windows advance once per
-        # step of that factor, whether or not the other side is computed too.
-        turns = pt.cast(state.t, "int64") // self.n_phases
-        ev = self.bound.evaluate(
-            cand, phase=self._next_phase_only(state.phase), step=turns, by_node=by_node
-        )
-        n_values = 1 + len(ev.phase_values)
-        stats = [ev.value, *ev.phase_values, *ev.grads, *ev.hessians]
-        xs = []
-        if self.arrow_head is not None:
-            xs = [
-                pt.zeros(b.type.shape) if (c is None and b is not None) else c
-                for c, b in zip(ev.crosses, state.arrow.X, strict=True)
+        plan = self.chunk_plan()
+        if not plan:
+            part = self._evaluate(state, by_node)
+        else:
+            # the terms split into chunks are reduced chunk by chunk; the rest, the
+            # entropies and the KL divergences are evaluated once
+            rest = [i for i in range(len(self.bound.terms)) if i not in plan]
+            parts = [self._evaluate(state, by_node, terms=rest)]
+            parts += [
+                self._reduced_term(state, by_node, i, size, inner_mode) for i, size in plan.items()
             ]
-            xs = [x for x in xs if x is not None]
-        outs = [*stats, *xs]
-        if self.rayleighs is not None:
-            outs = self.rayleighs.evaluate(state.rayleigh, outs, n_values=n_values)
-        finite = pt.isfinite(outs[0])
-        haux = None
-        if self.hypers is not None:
-            kw = {"cross": range(n_values, n_values + 2 * nseg)} if self.coupled else {}
-            outs, hfinite, haux = self.hypers.evaluate(state.hyper, outs, n_values=n_values, **kw)
-            finite = pt.isfinite(outs[0]) & hfinite
+            part = _sum_parts(parts)
+        outs, finite, haux, rgrads = part.outs, part.finite, part.haux, part.rgrads
+        n_values = part.n_values
         value, phase_values = outs[0], pt.stack(outs[1:n_values])
         grads = outs[n_values : n_values + nseg]
         hessians = outs[n_values + nseg : n_values + 2 * nseg]
         xs = outs[n_values + 2 * nseg :]
-        rgrads = None
-        if self.rayleighs is not None:
-            rgrads = self.rayleighs.gradients(state.rayleigh, value)
+        if rgrads is not None:
             for x in rgrads:
                 finite = finite & pt.isfinite(x)
         for x in [*grads, *hessians, *xs]:
@@ -286,7 +377,7 @@ class StepKernel:
                     st if d is None else GaussianBlocks(st.mean + d, st.factor)
                     for st, d in zip(stepped, joint.shifts, strict=True)
                 ]
-        nph = len(ev.phase_values)
+        nph = n_values - 1
         next_phase = (
             pt.switch(accept, (state.phase + 1) % nph, state.phase) if nph > 1 else state.phase
         )
@@ -328,6 +419,106 @@ class StepKernel:
             rayleigh=rayleigh_state,
         )
         return new_state, StepInfo(new_bound, value, pt.cast(accept, "int8"), rho)
+
+    # -------------------------------------------------------------- evaluation
+    def chunk_plan(self) -> dict:
+        """Observations per chunk of the bound's terms that are split (by term index):
+        those whose intermediates, batched over q(h)'s sigma points and the Rayleigh
+        nodes, would pass :attr:`chunk_budget` bytes (or every splittable data term
+        longer than :attr:`chunk_size`)."""
+        multiplier = 1.0
+        if self.hypers is not None and self.hypers.mode == "meanfield":
+            multiplier *= len(self.hypers.w)
+        if self.rayleighs is not None:
+            multiplier *= self.rayleighs.n_nodes ** len(self.rayleighs.rayleighs)
+        return self.bound.chunk_sizes(self.chunk_budget, self.chunk_size, multiplier)
+
+    def _evaluate(self, state, by_node, terms=None, chunk=None) -> Part:
+        """The bound's outputs at the candidate (``terms``: a part of them, ``chunk``:
+        restricted to a chunk of one term's observations), averaged over the
+        Rayleigh globals' nodes and q(h)'s sigma points, with the hyperparameters' and
+        Rayleigh scales' derivatives. The entropies and KL divergences of q belong to
+        the whole and to the part of the terms not split (``chunk is None``)."""
+        nseg = self.nseg
+        whole = chunk is None
+        cand = [GaussianBlocks(m, f) for m, f in zip(*state.cand, strict=True)]
+        # The factors move in turn: a factor's subsample windows advance once per
+        # step of that factor, whether or not the other side is computed too.
+        turns = pt.cast(state.t, "int64") // self.n_phases
+        ev = self.bound.evaluate(
+            cand,
+            phase=self._next_phase_only(state.phase),
+            step=turns,
+            by_node=by_node,
+            terms=terms,
+            chunk=chunk,
+            with_entropy=whole,
+        )
+        n_values = 1 + len(ev.phase_values)
+        stats = [ev.value, *ev.phase_values, *ev.grads, *ev.hessians]
+        xs = []
+        if self.arrow_head is not None:
+            crosses = ev.crosses if ev.crosses is not None else [None] * nseg
+            xs = [
+                pt.zeros(b.type.shape) if (c is None and b is not None) else c
+                for c, b in zip(crosses, state.arrow.X, strict=True)
+            ]
+            xs = [x for x in xs if x is not None]
+        outs = [*stats, *xs]
+        if self.rayleighs is not None:
+            outs = self.rayleighs.evaluate(state.rayleigh, outs, n_values=n_values, kl=whole)
+        finite = pt.isfinite(outs[0])
+        haux = None
+        if self.hypers is not None:
+            kw = {"cross": range(n_values, n_values + 2 * nseg)} if self.coupled else {}
+            outs, hfinite, haux = self.hypers.evaluate(
+                state.hyper, outs, n_values=n_values, entropy=whole, **kw
+            )
+            finite = pt.isfinite(outs[0]) & hfinite
+        rgrads = None
+        if self.rayleighs is not None:
+            rgrads = self.rayleighs.gradients(state.rayleigh, outs[0])
+        return Part(list(outs), finite, haux, rgrads, n_values)
+
+    def _reduced_term(self, state, by_node, index: int, size: int, mode=None) -> Part:
+        """Term ``index``'s :class:`Part`, reduced over chunks of ``size`` of its
+        observations by a scan: the step holds one chunk's intermediates at a time."""
+        term = self.bound.terms[index]
+        chunk_index, chunk_weight = chunk_layout(term.n_obs, size)
+        idx = pt.vector("chunk_index", dtype="int64", shape=(size,))
+        w = pt.vector("chunk_weight", dtype="float64", shape=(size,))
+        part = self._evaluate(state, by_node, terms=[index], chunk=Chunk(idx, w))
+        flat, rebuild = _flatten_part(part)
+        for x in flat:
+            if None in x.type.shape:
+                raise ValueError(f"chunked term {term.name!r}: an output of unknown shape")
+
+        def body(i, wt, *acc):
+            current = graph_replace(flat, {idx: i, w: wt}, strict=False)
+            return [
+                pt.minimum(a, c) if a.dtype == "int8" else a + c
+                for a, c in zip(acc, current, strict=True)
+            ]
+
+        init = [
+            pt.ones((), dtype="int8")
+            if x.dtype == "int8"
+            else pt.zeros(x.type.shape, dtype=x.dtype)
+            for x in flat
+        ]
+        with warnings.catch_warnings():
+            # PyTensor deprecates scan's ``mode`` (the inner graph is to inherit the
+            # outer compilation); it is still honoured, and needed by the Python backend
+            warnings.filterwarnings("ignore", "The `mode` argument of `scan`", FutureWarning)
+            sums = pytensor.scan(
+                body,
+                sequences=[pt.constant(chunk_index), pt.constant(chunk_weight)],
+                outputs_info=init,
+                return_updates=False,
+                mode=mode,
+            )
+        sums = sums if isinstance(sums, list | tuple) else [sums]
+        return rebuild([x[-1] for x in sums])
 
     def _arrow_mean_step(self, stepped, base, g, curv, rho):
         """Damped Newton step of the means with the arrow curvature (head-body coupling kept).

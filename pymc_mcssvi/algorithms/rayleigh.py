@@ -109,8 +109,9 @@ class RayleighGlobals:
         """The candidates back at the accepted scales (values)."""
         return state._replace(cand=tuple(np.copy(b) for b in state.base))
 
-    def evaluate(self, state: RayleighState, outputs, n_values=1):
-        """Outputs averaged over q(w2); the first ``n_values`` (bound values) also get ``-KL``."""
+    def evaluate(self, state: RayleighState, outputs, n_values=1, kl=True):
+        """Outputs averaged over q(w2); the first ``n_values`` (bound values) also get
+        ``-KL`` (with ``kl``: a part of a bound split into parts takes it once)."""
         outs = list(outputs)
         for r, sigma in zip(self.rayleighs, state.cand, strict=True):
             v = pt.scalar(f"{r.name}_node_value", dtype=r.value.dtype)
@@ -123,9 +124,10 @@ class RayleighGlobals:
                 pt.tensordot(wts, b, axes=[[0], [0]]) if depends_on_any(x, [v]) else b
                 for x, b in zip(singles, batched, strict=True)
             ]
-            tau = pt.reshape(r.prior_scale, ())
-            kl = kl_rayleigh(sigma, tau)
-            outs = [o - kl if i < n_values else o for i, o in enumerate(outs)]
+            if kl:
+                tau = pt.reshape(r.prior_scale, ())
+                divergence = kl_rayleigh(sigma, tau)
+                outs = [o - divergence if i < n_values else o for i, o in enumerate(outs)]
         return outs
 
     def gradients(self, state: RayleighState, value):

@@ -262,8 +262,11 @@ def compile_step(kernel, store, model, backend, compile_kwargs, random_seed) -> 
     compile_kwargs = dict(compile_kwargs or {})
     ck = named_backend_kwargs(backend, compile_kwargs) if backend != "python" else {}
     jax = is_jax_mode(backend, compile_kwargs)
+    # a scan that reduces chunked terms runs its body in the step's own backend (the
+    # Python backend's: the Python VM with the plugin's rewrites, not C thunks)
+    inner = python_step_mode() if backend == "python" else None
     with graph_building():
-        new_state, info = kernel.step(store.symbolic, by_node=jax)
+        new_state, info = kernel.step(store.symbolic, by_node=jax, inner_mode=inner)
         outputs, updates = list(info), store.updates(new_state)
     if backend == "python":
 
@@ -281,7 +284,12 @@ def compile_step(kernel, store, model, backend, compile_kwargs, random_seed) -> 
                     **{**compile_kwargs, "mode": mode},
                 )
 
-        return UpgradingStep(compile_python)
+        step = UpgradingStep(compile_python)
+        if kernel.chunk_plan():
+            # the cheap first compilation (merging only) would keep every chunk's
+            # accumulator of the reducing scans: the full rewrites from the start
+            step.upgrade()
+        return step
     if jax:
         ck["mode"] = jax_step_mode(ck.get("mode"))
     with model, warnings.catch_warnings():

@@ -302,7 +302,9 @@ def python_step_mode() -> Mode:
     FAST_COMPILE's rewrites without the matrix-structure ones (see
     :func:`structure_rewrites`), run by :func:`python_linker`, plus
     :data:`UFUNC_REWRITES` (after the other rewrites, which could reintroduce
-    the ops they remove; before the final merge).
+    the ops they remove; before the final merge), the stacked linear algebra of
+    many small blocks, and PyTensor's memory rewrite of scans (the reduction of
+    chunked statistics keeps one accumulator, not one per chunk).
 
     Examples
     --------
@@ -312,12 +314,18 @@ def python_step_mode() -> Mode:
     >>> np.allclose(fn(np.array([-800.0, 0.0, 800.0])), [0.0, np.log(2.0), 800.0])
     True
     """
-    return Mode(
-        linker=python_linker(),
-        optimizer=without_structure_rewrites(get_mode("FAST_COMPILE")).provided_optimizer,
-    ).register(
-        (in2out(blockwise_linalg_as_stacked), STACKED_LINALG_POSITION),
-        (in2out(*UFUNC_REWRITES, name="ufunc_rewrites"), 48.5),
+    return (
+        Mode(
+            linker=python_linker(),
+            optimizer=without_structure_rewrites(get_mode("FAST_COMPILE")).provided_optimizer,
+        )
+        .register(
+            (in2out(blockwise_linalg_as_stacked), STACKED_LINALG_POSITION),
+            (in2out(*UFUNC_REWRITES, name="ufunc_rewrites"), 48.5),
+        )
+        # a scan that reduces chunked statistics keeps its last accumulator only (without
+        # this rewrite it would hold one per chunk)
+        .including("scan_save_mem")
     )
 
 

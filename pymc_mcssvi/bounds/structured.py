@@ -10,7 +10,12 @@ With the locals marginalized (paper eqs. vlb / vlbi) the bound is
 where the Gaussian prior enters as whitened residuals (an exact, closed-form
 "likelihood" term) so that ``E_q[log p(w)] + H[q] = -KL(q || p)``.
 :class:`StructuredBound` builds, for given q parameters, the value of the bound
-and the per-segment ``g`` and ``H`` of the log joint that every algorithm needs.
+and the per-segment ``g`` and ``H`` of the log joint that every algorithm needs,
+as the sum of its terms' :class:`~pymc_mcssvi.terms.base.TermStats` (one
+:class:`~pymc_mcssvi.terms.base.Term` per likelihood form, :data:`TERMS`) and the
+entropy of q. Every part of that sum but the entropy is a sum over observations, so
+a term may be evaluated on chunks of its observations and the chunks' parts added
+up (:meth:`StructuredBound.chunk_sizes`; the step kernel reduces them).
 """
 
 from __future__ import annotations
@@ -18,31 +23,31 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pytensor.tensor as pt
-from pytensor.gradient import NullTypeGradError
-from pytensor.graph.utils import MethodNotDefined
 from pytensor.tensor.exceptions import NotScalarConstantError
 
 from pymc_mcssvi.estimators.bilinear import BilinearEstimator
 from pymc_mcssvi.estimators.general import GeneralEstimator
 from pymc_mcssvi.estimators.predictor import PredictorGeometry
-from pymc_mcssvi.estimators.quadrature import (
-    expected_derivatives,
-    expected_pair_derivatives,
-    expected_standard_normal,
-)
-from pymc_mcssvi.exceptions import UnsupportedModelError
 from pymc_mcssvi.families.gaussian import GaussianBlocks, covariance, entropy
 from pymc_mcssvi.recognize.graph import evaluate_static
 from pymc_mcssvi.recognize.layout import arrow_head
+from pymc_mcssvi.terms.affine import AffineTerm
+from pymc_mcssvi.terms.base import EvalOptions, QView, Term, TermStats
+from pymc_mcssvi.terms.bilinear import BilinearTerms
+from pymc_mcssvi.terms.constant import ConstantTerm
+from pymc_mcssvi.terms.general import MonteCarloTerm
+from pymc_mcssvi.terms.pair import PAIR_POINTS, TwoPredictorTerm
 
 __all__ = ["BoundEvaluation", "StructuredBound"]
 
-#: Gauss-Hermite nodes per predictor of a two-predictor likelihood (their square in all).
-PAIR_POINTS = 7
-#: Quadrature nodes (at least) for a log density with kinks in its predictor: its
-#: expectations come from Stein's lemma on the values, whose quadrature converges
-#: more slowly than for a smooth integrand (Laplace: 3% error at 32 nodes).
-KINKED_POINTS = 32
+#: The term class of each kind of recognized term (:mod:`~pymc_mcssvi.recognize.ir`).
+TERMS = {
+    "predictor": AffineTerm,
+    "pair": TwoPredictorTerm,
+    "general": MonteCarloTerm,
+    "bilinear": BilinearTerms,
+    "constant": ConstantTerm,
+}
 
 
 @dataclass
@@ -119,6 +124,58 @@ class StructuredBound:
             affine_geometries=affine,
         )
         self.arrow_head = arrow_head(tlm)
+        self.terms = self._make_terms(estimator, n_points)
+
+    def _make_terms(self, estimator, n_points) -> list[Term]:
+        """The bound's terms, in the order their parts are added up: the affine
+        predictor terms (priors and likelihoods, as recognized), the two-predictor
+        terms, the general terms, the bilinear terms, the constant terms."""
+        tlm = self.tlm
+        terms: list[Term] = [
+            AffineTerm(t, g, estimator, n_points)
+            for t, g in zip(tlm.predictor_terms, self.geometries, strict=True)
+        ]
+        terms += [
+            TwoPredictorTerm(p, g)
+            for p, g in zip(tlm.pair_terms, self.pair_geometries, strict=True)
+        ]
+        if self.general.active:
+            terms.append(MonteCarloTerm(self.general))
+        if self.bilinear.active:
+            terms.append(BilinearTerms(self.bilinear))
+        terms += [ConstantTerm(c) for c in tlm.constant_terms]
+        return terms
+
+    @property
+    def n_phases(self) -> int:
+        """Phases of a step: 2 when a matrix factorization's factors move in turn."""
+        return 2 if self.bilinear.active else 1
+
+    def chunk_sizes(self, budget: float, chunk_size=None, multiplier: float = 1.0) -> dict:
+        """Observations per chunk of the terms whose evaluation is split, by term index.
+
+        A data term whose observations can be split (``term.n_obs``) is split when its
+        estimated intermediates (``n_obs * term.bytes_per_observation() *
+        multiplier``; ``multiplier`` counts the hyperparameters' sigma points and the
+        Rayleigh nodes the step batches it over) pass ``budget`` bytes, into chunks
+        that fit it; ``chunk_size`` (observations) splits every such term with more
+        observations than that.
+        """
+        out = {}
+        for i, term in enumerate(self.terms):
+            n = term.n_obs
+            if not term.data or n is None or n < 2:
+                continue
+            if chunk_size is not None:
+                size = int(chunk_size)
+            else:
+                per = term.bytes_per_observation() * float(multiplier)
+                if per <= 0 or n * per <= budget:
+                    continue
+                size = int(max(1, budget // per))
+            if size < n:
+                out[i] = size
+        return out
 
     def work_estimate(self, local_factor: float = 1.0, linear_algebra: bool = True) -> float:
         """Rough number of floating-point operations of one iteration.
@@ -182,31 +239,6 @@ class StructuredBound:
         geoms = self.geometries + self._pair_predictor_geometries()
         return [g.moments(means, covs, g.prepare())[1] for g in geoms]
 
-    def _term_expectations(self, term, mu, var, need_hessian=True, by_node=False):
-        """``(T, alpha, beta)`` of a non-Gaussian predictor term (flat ``alpha``, ``beta``)."""
-        shape = term.eta_shape
-        try:
-            T, alpha, beta = expected_derivatives(
-                term.logp,
-                term.placeholder,
-                mu.reshape(shape) if shape else mu[0],
-                var.reshape(shape) if shape else var[0],
-                method=self.estimator,
-                n_points=self.n_points if term.smooth else max(self.n_points, KINKED_POINTS),
-                need_hessian=need_hessian,
-                derivatives="direct" if term.smooth else "stein",
-                by_node=by_node,
-            )
-        except (MethodNotDefined, NullTypeGradError) as err:
-            raise UnsupportedModelError(
-                term.name,
-                "PyTensor cannot differentiate its log density twice in the predictor "
-                f"({type(err).__name__}: {err})",
-                "fit this model with pm.sample() or pm.fit(method='advi'), or write the "
-                "likelihood with functions PyTensor differentiates",
-            ) from err
-        return T, alpha.reshape((-1,)), None if beta is None else beta.reshape((-1,))
-
     def predictor_curvatures(self, states: list[GaussianBlocks]):
         """``E_q[d^2 log p / d f^2]`` per entry of each non-Gaussian affine predictor term.
 
@@ -214,14 +246,12 @@ class StructuredBound:
         where q puts it (a Student-t residual beyond ``sqrt(nu) sigma``, a normal
         likelihood under a log link below half the observation).
         """
-        covs = [covariance(st, self.parameterization) for st in states]
-        means = [st.mean for st in states]
-        out = []
-        for term, geom in zip(self.tlm.predictor_terms, self.geometries, strict=True):
-            if not term.gaussian:
-                mu, var = geom.moments(means, covs, geom.prepare())
-                out.append(self._term_expectations(term, mu, pt.maximum(var, 0.0))[2])
-        return out
+        q = self._view(states)
+        return [
+            t.predictor_curvatures(q)
+            for t in self.terms
+            if isinstance(t, AffineTerm) and not t.term.gaussian
+        ]
 
     def _pair_predictor_geometries(self):
         """The two predictors' geometries of every two-predictor term (not their sum's)."""
@@ -247,6 +277,10 @@ class StructuredBound:
             for c, seg in zip(out, self.tlm.segments, strict=True)
         ]
 
+    def _view(self, states) -> QView:
+        covs = [covariance(st, self.parameterization) for st in states]
+        return QView(list(states), [st.mean for st in states], covs, self.parameterization)
+
     def evaluate(
         self,
         states: list[GaussianBlocks],
@@ -255,6 +289,9 @@ class StructuredBound:
         phase=None,
         step=None,
         by_node: bool = False,
+        terms=None,
+        chunk=None,
+        with_entropy: bool = True,
     ):
         """Build the bound and its natural-gradient ingredients for ``states``.
 
@@ -268,6 +305,11 @@ class StructuredBound:
         one-dimensional quadratures a node at a time (for a JAX step, see
         :func:`~pymc_mcssvi.estimators.quadrature.expected_derivatives`).
 
+        ``terms`` (indices into :attr:`terms`, default all), ``chunk`` (a
+        :class:`~pymc_mcssvi.terms.base.Chunk` of the one term given) and
+        ``with_entropy`` evaluate a part of the bound: the parts of a split
+        evaluation add up to the whole.
+
         Returns
         -------
         BoundEvaluation
@@ -279,105 +321,48 @@ class StructuredBound:
             (``None`` for the head and uncoupled segments; affine predictor
             terms only).
         """
-        tlm = self.tlm
-        covs = [covariance(st, self.parameterization) for st in states]
-        means = [st.mean for st in states]
+        q = self._view(states)
         nseg = len(states)
-        grads, hessians = [None] * nseg, [None] * nseg
-        crosses = [None] * nseg
         head = self.arrow_head if (need_derivatives and need_hessian) else None
-        expected = pt.constant(0.0)
-        for term, geom in zip(tlm.predictor_terms, self.geometries, strict=True):
-            designs = geom.prepare()
-            mu, var = geom.moments(means, covs, designs)
-            var = pt.maximum(var, 0.0)
-            if term.gaussian:
-                T, alpha, beta = expected_standard_normal(mu, var)
-            else:
-                T, alpha, beta = self._term_expectations(term, mu, var, need_hessian, by_node)
-            expected = expected + pt.sum(T)
-            if need_derivatives:
-                grads, hessians = geom.accumulate(
-                    alpha, beta if need_hessian else None, grads, hessians, designs
-                )
-                if head is not None:
-                    crosses = geom.accumulate_cross(beta, head, crosses, designs)
-        for pair, geoms in zip(tlm.pair_terms, self.pair_geometries, strict=True):
-            T, grads, hessians, crosses = self._pair(
-                pair, geoms, means, covs, grads, hessians, crosses, need_derivatives, need_hessian
-            )
-            expected = expected + T
-        T_gen, g_gen, H_gen = self.general.expectations(states, self.parameterization, need_hessian)
-        expected = expected + T_gen
-        if need_derivatives:
-            grads = [_add(a, b) for a, b in zip(grads, g_gen, strict=True)]
-            hessians = [_add(a, b) for a, b in zip(hessians, H_gen, strict=True)]
-        T_phase = None
-        if self.bilinear.active:
-            T_v, T_u, g_bil, H_bil = self.bilinear.expectations(
-                states, covs, need_hessian, phase, step=step, by_node=by_node
-            )
-            T_phase = [T_v, T_u]
-            if need_derivatives:
-                grads = [_add(a, b) for a, b in zip(grads, g_bil, strict=True)]
-                hessians = [_add(a, b) for a, b in zip(hessians, H_bil, strict=True)]
-        for c in tlm.constant_terms:
-            expected = expected + pt.sum(c.logp)
-        ent = pt.sum([entropy(st, self.parameterization) for st in states])
+        opts = EvalOptions(
+            need_derivatives, need_hessian, head, phase, step, by_node, self.n_phases
+        )
+        selected = self.terms if terms is None else [self.terms[i] for i in terms]
+        if chunk is not None and len(selected) != 1:
+            raise ValueError("a chunk restricts one term")
+        stats = TermStats.zero(nseg)
+        for term in selected:
+            stats = term.accumulate(q, stats, opts, chunk)
+        expected = stats.value if stats.value is not None else pt.constant(0.0)
+        ent = (
+            pt.sum([entropy(st, self.parameterization) for st in states])
+            if with_entropy
+            else pt.constant(0.0)
+        )
         grads = [
-            _zeros_like(st.mean) if g is None else g for g, st in zip(grads, states, strict=True)
+            _zeros_like(st.mean) if g is None else g
+            for g, st in zip(stats.grads, states, strict=True)
         ]
         hessians = [
             _zeros_like(st.factor) if h is None else h
-            for h, st in zip(hessians, states, strict=True)
+            for h, st in zip(stats.hessians, states, strict=True)
         ]
-        if T_phase is None:
-            return BoundEvaluation(
-                expected + ent, grads, hessians, expected, ent, [expected + ent], crosses
-            )
-        phase = [expected + ent + T for T in T_phase]
+        base = expected + ent if with_entropy else expected
+        if self.n_phases == 1:
+            return BoundEvaluation(base, grads, hessians, expected, ent, [base], stats.crosses)
+        if not stats.phase_values:
+            return BoundEvaluation(base, grads, hessians, expected, ent, [base, base])
+        T_v, T_u = stats.phase_values
+        phase = (
+            [T_v, T_u]
+            if (stats.value is None and not with_entropy)
+            else [
+                base + T_v,
+                base + T_u,
+            ]
+        )
         value = 0.5 * (phase[0] + phase[1])
-        return BoundEvaluation(
-            value, grads, hessians, expected + 0.5 * (T_phase[0] + T_phase[1]), ent, phase
-        )
-
-    def _pair(self, pair, geoms, means, covs, grads, hessians, crosses, derivatives, hessian):
-        """A two-predictor term's expected log density, and its ``g``, ``H`` (and arrow
-        crosses) added to the lists.
-
-        The predictors' joint Gaussian per entry comes from the moments of ``eta_1``,
-        ``eta_2`` and ``eta_1 + eta_2`` (the covariance is half the sum's variance minus
-        theirs); with the expected second derivatives ``b_jk`` the Hessian
-        ``J_1' b_11 J_1 + J_2' b_22 J_2 + J_1' b_12 J_2 + J_2' b_12 J_1`` is accumulated
-        as ``J_1' (b_11 - b_12) J_1 + J_2' (b_22 - b_12) J_2 + (J_1 + J_2)' b_12 (J_1 + J_2)``
-        by the three predictors' geometries (polarization): the designs' own paths
-        (gathers, dense blocks, the arrow's crosses), nothing formed per pair.
-        """
-        shape = pair.parts[0].eta_shape
-        designs = [g.prepare() for g in geoms]
-        (m1, v1), (m2, v2), (_, vs) = [
-            g.moments(means, covs, d) for g, d in zip(geoms, designs, strict=True)
-        ]
-        v1, v2 = pt.maximum(v1, 0.0), pt.maximum(v2, 0.0)
-        c = 0.5 * (pt.maximum(vs, 0.0) - v1 - v2)
-
-        def shaped(x):
-            return x.reshape(shape) if shape else x[0]
-
-        T, (a1, a2), (b11, b12, b22) = expected_pair_derivatives(
-            pair.logp, pair.placeholders, [shaped(x) for x in (m1, v1, m2, v2, c)], PAIR_POINTS
-        )
-        if not derivatives:
-            return pt.sum(T), grads, hessians, crosses
-        a1, a2, b11, b12, b22 = (x.reshape((-1,)) for x in (a1, a2, b11, b12, b22))
-        betas = (b11 - b12, b22 - b12, b12) if hessian else (None, None, None)
-        alphas = (a1, a2, pt.zeros_like(a1))
-        head = self.arrow_head if hessian else None
-        for geom, d, a, b in zip(geoms, designs, alphas, betas, strict=True):
-            grads, hessians = geom.accumulate(a, b, grads, hessians, d)
-            if head is not None:
-                crosses = geom.accumulate_cross(b, head, crosses, d)
-        return pt.sum(T), grads, hessians, crosses
+        return BoundEvaluation(value, grads, hessians, expected + 0.5 * (T_v + T_u), ent, phase)
 
     @property
     def phase_segments(self):

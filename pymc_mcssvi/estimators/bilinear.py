@@ -45,6 +45,7 @@ from pymc_mcssvi.estimators.quadrature import expected_derivatives
 from pymc_mcssvi.exceptions import UnsupportedModelError
 from pymc_mcssvi.families.gaussian import GaussianBlocks, _lower_inverse, bmm, bmv
 from pymc_mcssvi.recognize.graph import depends_on_any, evaluate_static, holds_row_positions
+from pymc_mcssvi.terms.chunks import restrict_predictor
 
 __all__ = ["BilinearEstimator"]
 
@@ -324,6 +325,7 @@ class BilinearEstimator:
         weight=None,
         affine=None,
         by_node=False,
+        affine_at_obs=False,
     ):
         """``(T, g_obs, H_obs, rows, alpha, beta)`` for the factor ``exact``, with points of
         the factor ``draw``.
@@ -358,7 +360,7 @@ class BilinearEstimator:
             var = pt.sum(pt.square(p[:, :, None] + ME), axis=1).T
         Ad = pt.matrix_transpose(Atd)
         if affine is not None:
-            ma, va = affine if obs is None else (affine[0][obs], affine[1][obs])
+            ma, va = affine if (obs is None or affine_at_obs) else (affine[0][obs], affine[1][obs])
             mean, var = mean + ma[None, :], var + va[None, :]
         T, alpha, beta = expected_derivatives(
             logp, ph, mean, var, n_points=self.n_points, by_node=by_node
@@ -373,7 +375,9 @@ class BilinearEstimator:
             b_obs = None if beta is None else pt.mean(beta, axis=0)
         return pt.mean(pt.sum(T, axis=-1)), g_obs, H_obs, exact_rows, a_obs, b_obs
 
-    def expectations(self, states, covs, need_hessian=True, phase=None, step=None, by_node=False):
+    def expectations(
+        self, states, covs, need_hessian=True, phase=None, step=None, by_node=False, chunk=None
+    ):
         """``(T_v, T_u, grads, hessians)``.
 
         ``T_v`` (points of U, exact in V) is the value consistent with the
@@ -389,6 +393,10 @@ class BilinearEstimator:
         ``step`` (a symbolic integer, with ``row_subsample``) counts the earlier
         evaluations of each side: the rows' windows advance by ``B`` observations
         per step (:meth:`_subsample`). Without it each window starts at random.
+
+        ``chunk`` (a :class:`~pymc_mcssvi.terms.base.Chunk` of observations, one
+        bilinear term, no row subsampling) restricts both sides to those observations,
+        weighted: their part of every sum.
 
         Notes
         -----
@@ -416,11 +424,26 @@ class BilinearEstimator:
             V = (states[sv].mean, self._square_root_t(states[sv]))
             E_u, E_v = self._points(K, 2 * k), self._points(K, 2 * k + 1)
             affine = designs = None
+            if geom is not None and chunk is not None:
+                geom = restrict_predictor(term.affine, geom, chunk, logp=False).geometry
             if geom is not None:
                 designs = geom.prepare()
                 ma, va = geom.moments(means, covs, designs)
                 affine = (ma, pt.maximum(va, 0.0))
-            if layout is None:
+            if chunk is not None:
+                if layout is not None or len(self.items) > 1:
+                    raise ValueError("chunks of a matrix factorization need one term, full batch")
+                obs, w = chunk.index, chunk.weight
+                M = bmm(V[1][d[obs]], pt.matrix_transpose(U[1][s[obs]]))  # A_v^T A_u
+                subsets = [(None, None), (None, None)]
+                kw = {"obs": obs, "weight": w, "affine": affine, "by_node": by_node}
+                sides = [
+                    self._side(term, E_u, U, V, s, d, M=M, affine_at_obs=True, **kw),
+                    self._side(
+                        term, E_v, V, U, d, s, M=pt.matrix_transpose(M), affine_at_obs=True, **kw
+                    ),
+                ]
+            elif layout is None:
                 M = bmm(V[1][d], pt.matrix_transpose(U[1][s]))  # A_v^T A_u
                 subsets = [(None, None), (None, None)]
                 sides = [

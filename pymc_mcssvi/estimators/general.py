@@ -147,29 +147,71 @@ class GeneralEstimator:
         half = moment_matched(rng.standard_normal((self.n_draws // 2, seg.rows, seg.k)))
         return pt.constant(np.concatenate([half, -half]))
 
-    def expectations(self, states, parameterization, need_hessian=True):
-        """``(T, grads, hessians)`` with per-segment ``(R, K)`` / ``(R, K, K)`` blocks."""
+    def expectations(self, states, parameterization, need_hessian=True, draws=None):
+        """``(T, grads, hessians)`` with per-segment ``(R, K)`` / ``(R, K, K)`` blocks.
+
+        ``draws`` (a :class:`~pymc_mcssvi.terms.base.Chunk` of draw positions, fixed
+        draws only) restricts the averages to those draws, weighted: their part of the
+        averages over all draws.
+        """
         if not self.active:
             return pt.constant(0.0), [None] * len(states), [None] * len(states)
-        W = pt.zeros((self.n_draws, self.dim))
+        n = self.n_draws if draws is None else draws.index.shape[0]
+        W = pt.zeros((n, self.dim))
         for seg, st, idx in zip(self.tlm.segments, states, self.maps, strict=True):
-            draws = sample(st, parameterization, self._eps(seg))
-            W = pt.set_subtensor(W[:, idx.reshape(-1)], draws.reshape((self.n_draws, seg.dim)))
+            eps = self._eps(seg)
+            if draws is not None:
+                eps = eps[draws.index]
+            sampled = sample(st, parameterization, eps)
+            W = pt.set_subtensor(W[:, idx.reshape(-1)], sampled.reshape((n, seg.dim)))
+        average = _average if draws is None else _weighted_average(draws.weight, self.n_draws)
         if need_hessian and self.per_observation is not None:
-            return self.per_observation.expectations(W, self.maps)
+            return self.per_observation.expectations(W, self.maps, average)
         graphs = self._graphs if need_hessian else self._graphs[:2]
         vals = vectorize_graph(list(graphs), {self._w: W})
-        T = pt.mean(vals[0])
-        g = pt.mean(vals[1], axis=0)
+        T = average(vals[0])
+        g = average(vals[1])
         grads = [g[idx] for idx in self.maps]
         if not need_hessian:
             return T, grads, [None] * len(states)
-        HV = pt.mean(vals[2], axis=0)
+        HV = average(vals[2])
         hess = []
         for idx in self.maps:
             blocks = _blocks(HV, idx, self._color_of)
             hess.append(0.5 * (blocks + blocks.dimshuffle(0, 2, 1)))
         return T, grads, hess
+
+    def bytes_per_draw(self) -> float:
+        """Rough bytes of one draw's intermediates: the static sizes of the nodes of the
+        terms' log density that depend on the globals, for the value, the gradient and
+        each colored Hessian-vector product."""
+        total, _, _ = self._graphs
+        dependent = {self._w}
+        elements = 0
+        for node in io_toposort([self._w], [total]):
+            if not any(i in dependent for i in node.inputs):
+                continue
+            dependent.update(node.outputs)
+            for out in node.outputs:
+                shape = out.type.shape
+                elements += int(np.prod([1 if d is None else d for d in shape], dtype=float))
+        n_colors = int(self._color_of[:, 0].max()) + 1
+        return 8.0 * elements * (2 + n_colors)
+
+
+def _average(x):
+    """The mean over the leading (draws) axis."""
+    return pt.mean(x, axis=0)
+
+
+def _weighted_average(weight, n_total):
+    """Some draws' part of the mean over ``n_total`` draws, weighted."""
+
+    def average(x):
+        w = weight.reshape((-1,) + (1,) * (x.ndim - 1))
+        return pt.sum(w * x, axis=0) / n_total
+
+    return average
 
 
 def _blocks(HV, idx, color_of):
@@ -297,17 +339,19 @@ class PerObservation:
             out.append((np.concatenate(targets), np.concatenate(sources)))
         return out
 
-    def expectations(self, W, maps):
+    def expectations(self, W, maps, average=None):
         """``(T, grads, hessians)`` as :meth:`GeneralEstimator.expectations`, for the
-        draws ``W`` (``(S, dim)``) of all the coordinates."""
+        draws ``W`` (``(S, dim)``) of all the coordinates (``average``: over them, by
+        default their mean)."""
+        average = _average if average is None else average
         repl = {ph: W[:, pos] for ph, pos in zip(self.placeholders, self.positions, strict=True)}
         vals = vectorize_graph([self.total, *self.grads, *self.second], repl)
         n = len(self.grads)
-        T = pt.mean(vals[0])
+        T = average(vals[0])
         g = pt.zeros((W.shape[1],))
         for pos, gj in zip(self.positions, vals[1 : 1 + n], strict=True):
-            g = pt.inc_subtensor(g[pos], pt.mean(gj, axis=0))
-        d2 = pt.concatenate([pt.mean(v, axis=0) for v in vals[1 + n :]])
+            g = pt.inc_subtensor(g[pos], average(gj))
+        d2 = pt.concatenate([average(v) for v in vals[1 + n :]])
         hess = []
         for idx, (target, source) in zip(maps, self._scatter, strict=True):
             R, K = idx.shape

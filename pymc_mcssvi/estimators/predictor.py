@@ -72,6 +72,7 @@ class PredictorGeometry:
     ):
         self.term = term
         self.segments = segments
+        self.seg_of = seg_of
         self.n_rows = n_rows
         pieces: dict[int, SegmentPieces] = {}
         for t in term.terms:

@@ -188,6 +188,14 @@ class StructuredVI(Inference):
         grid grown from the centre instead (:mod:`pymc_mcssvi.posterior.profile_grid`),
         which follows a scale's long tail towards 0 and the ridge of two
         scales that trade variance. ``"gaussian"`` skips it.
+    chunk_size : int, optional
+        Observations per chunk. A likelihood whose per-iteration intermediates would
+        pass :data:`~pymc_mcssvi.algorithms.kernel.CHUNK_BYTES` (256 MB) is reduced
+        chunk by chunk inside the compiled step (a scan), so that the step's memory
+        stays a few chunks plus q whatever the number of observations (matrix
+        factorizations of millions of ratings, the Monte Carlo path's draws). This
+        option forces every such likelihood into chunks of this many observations
+        (the same results up to rounding); ``None`` chooses by the memory budget.
     """
 
     algorithm_cls = MCSSVIStep
@@ -222,6 +230,7 @@ class StructuredVI(Inference):
         row_subsample=None,
         linear_response=None,
         hyper_marginal="profile",
+        chunk_size=None,
     ):
         self.model = pm.modelcontext(model)
         self.linear_response = True if linear_response is None else bool(linear_response)
@@ -334,6 +343,7 @@ class StructuredVI(Inference):
                 monotone,
                 rayleighs,
                 nseg=len(q0.means),
+                chunk_size=chunk_size,
             )
             #: The fit's explicit state (:class:`~pymc_mcssvi.algorithms.state.KernelState`)
             #: in the shared variables the compiled step updates.

@@ -5,11 +5,10 @@ the mean by tables along q(h)'s axes
 (:func:`~pymc_mcssvi.posterior.marginal.conditional_mean_table`), the
 covariance averaged over the profile points and scaled per coordinate
 (:func:`~pymc_mcssvi.posterior.marginal.averaged_view_factors`). With few
-groups that is not enough: in ``a = mu_a + sigma_a z`` with 3 groups, each
-``a_g`` is fixed by its 30 rows while ``mu_a`` and ``z`` lie on a ridge whose
-direction turns with ``sigma_a``, and no single covariance (nor one per axis)
-follows it: the draws of ``a`` came out 1.7-1.9x wider than NUTS's (8 groups:
-1.1-1.4x), although every free variable was within 0.1 sd of NUTS.
+groups that is not enough: in ``a = mu_a + sigma_a z``, each ``a_g`` is fixed by
+its rows while ``mu_a`` and ``z`` lie on a ridge whose direction turns with
+``sigma_a``, and no single covariance (nor one per axis) follows it: the draws
+of ``a`` come out too wide although each free variable's are right.
 
 Here each draw of ``h`` gets its own q(w | h): the natural steps of
 :func:`~pymc_mcssvi.posterior.marginal.refit_graph` vectorized over the draws,
@@ -17,10 +16,11 @@ from the linear response of the fitted q(w), until the bound settles (a step
 that lowers it is retried with half the step size), then ``w = m(h) +
 L(h)^{-T} e``. It costs about as much per draw and step as a fit's iteration
 costs per sigma point, so it is used only when ``draws`` times
-:data:`EXPECTED_STEPS` times that stays below :data:`EXACT_CONDITIONAL_WORK`
-(the fit's flop estimate, checked before compiling) and, in memory measured on
-the compiled step, below :data:`EXACT_CONDITIONAL_BYTES` (small models, which
-are the ones with few groups); larger samples keep the linear-response draws.
+``SETTINGS.expected_steps`` times that stays below
+``SETTINGS.exact_conditional_work`` (the fit's flop estimate, checked before
+compiling) and, in memory measured on the compiled step, below
+``SETTINGS.exact_conditional_bytes`` (small models, which are the ones with few
+groups); larger samples keep the linear-response draws.
 """
 
 from __future__ import annotations
@@ -41,43 +41,26 @@ from threadpoolctl import threadpool_limits
 
 from pymc_mcssvi.algorithms.hyperparameters import shapes_at_fixed
 from pymc_mcssvi.backend.modes import graph_building, python_few_calls_mode
-from pymc_mcssvi.posterior.marginal import REFIT_TOL, refit_graph
+from pymc_mcssvi.posterior.marginal import refit_graph
 from pymc_mcssvi.posterior.profile_grid import LADDER
+from pymc_mcssvi.posterior.settings import SETTINGS
 from pymc_mcssvi.recognize.vectorize import vectorize_graph
 
 __all__ = [
-    "BATCH_BYTES",
     "GridNodes",
     "node_corners",
-    "EXACT_CONDITIONAL_BYTES",
-    "EXACT_CONDITIONAL_WORK",
-    "EXPECTED_STEPS",
-    "FLOOR_GAINS",
-    "MAX_CONDITIONAL_STEPS",
     "SPECIAL_FUNCTIONS",
-    "SPECIAL_FUNCTION_FLOPS",
     "held_bytes",
     "step_measure",
     "ConditionalGlobals",
 ]
 
-#: Largest ``draws x EXPECTED_STEPS x flops per draw and step`` (the fit's estimate)
-#: for which the re-fit is compiled: about 9 s on 2 cores, as the bytes' budget (a
-#: Poisson random walk ``x0 + cumsum(s * eps)`` of 120 steps, 3.6 Mflops per draw and
-#: step: 500 draws 3.0 s, 2000 draws 9.1 s, compilation included; its linear-response
-#: draws, used at 2e9, had path sds up to 2.2x NUTS's, the re-fitted ones 0.93-1.03x).
-EXACT_CONDITIONAL_WORK = 3e10
-#: Largest ``draws x EXPECTED_STEPS x bytes per draw and step`` (measured on the
-#: compiled step) for which draws are re-fitted: 30 GB-steps, about 9 s on 2 cores (a
-#: sparse GP with learned lengthscale, 200 rows and 15 inducing points: 4000 draws
-#: 25 GB-steps, 7.6 s; the linear-response draws instead had f sds up to 1.46x NUTS).
-EXACT_CONDITIONAL_BYTES = 3e10
 #: Scalar ops whose SciPy evaluation costs far more than the fit's flop estimate
-#: assumes (its 10 flops per quadrature node): the log-gamma family and its
-#: derivatives (Beta, Gamma, negative binomial, Student-t likelihoods with learned
-#: shapes; the curvature of digamma is ``polygamma(2, x)``, a Hurwitz zeta),
-#: incomplete gamma and beta functions. A Beta regression's 1000 re-fitted draws
-#: took 18 s, 12 of them in ``zeta``.
+#: assumes (its 10 flops per quadrature node), each element budgeted at
+#: ``SETTINGS.special_function_flops``: the log-gamma family and its derivatives
+#: (Beta, Gamma, negative binomial, Student-t likelihoods with learned shapes; the
+#: curvature of digamma is ``polygamma(2, x)``, a Hurwitz zeta), incomplete gamma and
+#: beta functions, Bessel functions and inverse error functions.
 SPECIAL_FUNCTIONS = frozenset(
     {
         "GammaLn", "Psi", "TriGamma", "PolyGamma", "GammaInc", "GammaIncC",
@@ -86,24 +69,6 @@ SPECIAL_FUNCTIONS = frozenset(
         "Erfinv", "Erfcinv",
     }
 )  # fmt: skip
-#: Flops a special function's element counts as in the re-fits' budget (measured:
-#: ``scipy.special.polygamma(2, x)`` 0.2-0.4 us per element; the budget's flops run
-#: at about 0.3 ns each, from the random walk above: so about 1500 flops).
-SPECIAL_FUNCTION_FLOPS = 1500.0
-#: Natural steps a draw's re-fit is expected to take (budgeting only).
-EXPECTED_STEPS = 3
-#: Most natural steps of the re-fits of one batch of draws.
-MAX_CONDITIONAL_STEPS = 10
-#: A re-fit with a ``floor`` stops once its bound would stay below it even if the
-#: rest of the re-fit gained this many times its last step. On the GLMM benchmark's
-#: grids (floor 12 nats below the top) the nodes stopped early ended 0.001-0.31
-#: nats below their converged values, and the grids had the same nodes as with
-#: every node converged.
-FLOOR_GAINS = 2.0
-#: Largest memory of one call's intermediates (``draws x bytes per draw``).
-BATCH_BYTES = 2**27
-#: Nesting depth of ``OpFromGraph`` inlined before vectorizing.
-MAX_INLINE_LEVELS = 10
 
 
 class GridNodes(NamedTuple):
@@ -171,32 +136,34 @@ class ConditionalGlobals:
         return {**self.__dict__, "_fn": None}
 
     def affordable(self, draws: int, hs=None, measured=None) -> bool:
-        """Whether ``draws`` re-fits fit in :data:`EXACT_CONDITIONAL_WORK` (the fit's flop
-        estimate) and, given the first draws ``hs`` of the hyperparameters, in
-        :data:`EXACT_CONDITIONAL_BYTES` (the compiled step's memory, measured) and
-        :data:`EXACT_CONDITIONAL_WORK` again with the step's special functions
-        counted at :data:`SPECIAL_FUNCTION_FLOPS` each (measured). ``measured =
-        (bytes, special elements)`` per draw, from another compiled step of one
-        re-fit (:func:`step_measure`), stands in for measuring this one (whose
-        compilation it then spares)."""
-        if draws * EXPECTED_STEPS * self.work_per_draw > EXACT_CONDITIONAL_WORK:
+        """Whether ``draws`` re-fits fit in ``SETTINGS.exact_conditional_work`` (the fit's
+        flop estimate) and, given the first draws ``hs`` of the hyperparameters, in
+        ``SETTINGS.exact_conditional_bytes`` (the compiled step's memory, measured) and
+        ``SETTINGS.exact_conditional_work`` again with the step's special functions
+        counted at ``SETTINGS.special_function_flops`` each (measured), each re-fit
+        taking ``SETTINGS.expected_steps`` steps. ``measured = (bytes, special
+        elements)`` per draw, from another compiled step of one re-fit
+        (:func:`step_measure`), stands in for measuring this one (whose compilation it
+        then spares)."""
+        steps = draws * SETTINGS.expected_steps
+        if steps * self.work_per_draw > SETTINGS.exact_conditional_work:
             return False
         if hs is None and measured is None:
             return True
         nbytes, specials = measured if measured is not None else self._measure(hs)
-        if draws * EXPECTED_STEPS * nbytes > EXACT_CONDITIONAL_BYTES:
+        if steps * nbytes > SETTINGS.exact_conditional_bytes:
             return False
-        work = self.work_per_draw + SPECIAL_FUNCTION_FLOPS * specials
-        return draws * EXPECTED_STEPS * work <= EXACT_CONDITIONAL_WORK
+        work = self.work_per_draw + SETTINGS.special_function_flops * specials
+        return steps * work <= SETTINGS.exact_conditional_work
 
     def bytes_per_draw(self, hs) -> float:
         """Bytes of the intermediates of one natural step, per draw.
 
         Measured, not estimated: the step is run on the first one and two draws of
         ``hs`` and the memory its Python VM holds (every intermediate) is compared,
-        so shared inputs cancel. The fit's flop estimate misses most of it
-        (OrderedProbit, 500 rows: 64,000 flops but 49 MB per draw; 100 draws in
-        one call held 5.3 GB).
+        so shared inputs cancel. The fit's flop estimate misses most of it (an
+        ordinal likelihood's cumulative probabilities hold far more than they
+        compute).
         """
         return self._measure(hs)[0]
 
@@ -248,7 +215,7 @@ class ConditionalGlobals:
         step.fn = fn
         return step
 
-    def refit(self, hs, max_steps=MAX_CONDITIONAL_STEPS, start=None, floor=None):
+    def refit(self, hs, max_steps=None, start=None, floor=None):
         """Re-fitted ``(means, factors, values)`` of q(w | h) for a batch of draws ``hs``.
 
         ``hs`` lists the hyperparameters' draws by value variable, each ``(n, ...)``;
@@ -258,11 +225,15 @@ class ConditionalGlobals:
         (means, factors, at)`` (``(n, ...)`` each, ``at`` the flat ``h`` they were
         fitted at) from those, moved by it.
 
-        Each step is computed for the draws still moving only. With ``floor``, a
+        At most ``max_steps`` natural steps (default
+        ``SETTINGS.max_conditional_steps``), each computed for the draws still moving
+        only. With ``floor``, a
         draw whose bound stays below it even if the rest of its re-fit gained
-        :data:`FLOOR_GAINS` times its last step's gain stops there: its value is
+        ``SETTINGS.floor_gains`` times its last step's gain stops there: its value is
         then a lower bound of the profile, well below ``floor``.
         """
+        if max_steps is None:
+            max_steps = SETTINGS.max_conditional_steps
         if self._fn is None:
             self._fn = self._compile()
         state = self.store.get(borrow=True)
@@ -294,7 +265,7 @@ class ConditionalGlobals:
             )
             r, bv = retry[a], best_v[a]
             value = np.where(r, bv, np.asarray(value, dtype="float64"))
-            tol = REFIT_TOL * (np.abs(value) + 10.0)
+            tol = SETTINGS.refit_tol * (np.abs(value) + 10.0)
             # a loss within the tolerance is rounding at the optimum, not an overshoot
             ok = ~r & np.isfinite(value) & (value >= bv - tol)
             gain = value - bv
@@ -305,7 +276,7 @@ class ConditionalGlobals:
             best_v[up] = value[better]
             stop = ok & (gain <= tol)
             if floor is not None:
-                stop |= better & (value + FLOOR_GAINS * gain < floor)
+                stop |= better & (value + SETTINGS.floor_gains * gain < floor)
             done[a] |= stop
             bad = ~r & ~ok & np.isfinite(bv)
             rho[a] = np.where(bad, 0.5 * rho[a], rho[a])
@@ -332,17 +303,14 @@ class ConditionalGlobals:
         keep = np.ones(n, bool)
         rng = np.random.default_rng(random_seed)
         # small blocks, one LAPACK call each: threads cost more than they save (see
-        # StructuredVI._blas_limits), badly so on a busy machine (1 ms per 8 x 8 solve)
+        # StructuredVI._blas_limits), badly so on a busy machine
         with threadpool_limits(limits=1, user_api="blas"), np.errstate(all="ignore"):
             if self.nodes is not None:
                 # A gridded q(h): q(w | h) interpolated between its nodes, each an exact
-                # re-fit, is as close to NUTS as a re-fit at every draw and 30x cheaper
-                # (radon GLMM, 2000 draws: effects within 0.082 / 0.077 NUTS sd, the same
-                # sds; 0.2 s against 6.7-7.2 s; a 20-team Bradley-Terry model 0.05 s
-                # against 8 s, its fit taking 0.8 s)
+                # re-fit, is as close to NUTS as a re-fit at every draw and far cheaper
                 self._draw_from_nodes(samples, names, n, rng, flat, keep)
             elif self.affordable(n) and self.affordable(n, first):
-                size = int(max(1, min(n, BATCH_BYTES // self._measure(first)[0])))
+                size = int(max(1, min(n, SETTINGS.refit_batch_bytes // self._measure(first)[0])))
                 self._draw(samples, names, n, size, rng, flat, keep)
             else:
                 return {}
@@ -427,10 +395,10 @@ def node_corners(index, t) -> list:
 def _inlined(inputs, outputs):
     """The graph with every ``OpFromGraph`` (``logsumexp``, its derivative...), bare or
     batched in a ``Blockwise``, replaced by its inner graph: vectorized over draws, such
-    an op is a ``Blockwise`` that the Python VM runs once per draw and element (eight
-    schools: 145,000 calls, 5 s per 1000 draws). Replaced level by level (an inner graph
-    can hold further ones); shared variables and the inputs are kept."""
-    for _ in range(MAX_INLINE_LEVELS):
+    an op is a ``Blockwise`` that the Python VM runs once per draw and element. Replaced
+    level by level (an inner graph can hold further ones, at most
+    ``SETTINGS.max_inline_levels`` deep); shared variables and the inputs are kept."""
+    for _ in range(SETTINGS.max_inline_levels):
         nodes = [node for node in io_toposort(inputs, outputs) if _ofg_core(node) is not None]
         if not nodes:
             break

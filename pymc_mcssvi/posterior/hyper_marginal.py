@@ -24,13 +24,13 @@ import pytensor.tensor as pt
 from pymc.pytensorf import compile as pm_compile
 from pytensor.graph.replace import graph_replace
 from pytensor.graph.traversal import ancestors
+from scipy.linalg import solve_triangular
 from threadpoolctl import threadpool_limits
 
 from pymc_mcssvi.algorithms.hyperparameters import shapes_at_fixed
 from pymc_mcssvi.backend.compile import named_backend_kwargs
 from pymc_mcssvi.backend.modes import graph_building, python_few_calls_mode
 from pymc_mcssvi.posterior.conditional import (
-    BATCH_BYTES,
     ConditionalGlobals,
     GridNodes,
     held_bytes,
@@ -39,16 +39,11 @@ from pymc_mcssvi.posterior.conditional import (
 )
 from pymc_mcssvi.posterior.marginal import (
     AXIS_POINTS,
-    HESSIAN_STEP,
-    MAX_MOMENT_GRID,
-    MAX_MOMENT_RANK,
-    MAX_UNCHECKED_HYPERS,
-    MAX_VIEW_WORK,
-    MIN_AXIS_SKEW,
     NODES,
     ConditionalProfile,
     DrawMoments,
     _block_covariance,
+    _precision_factor,
     averaged_view_factors,
     axis_marginal,
     axis_node_table,
@@ -67,15 +62,13 @@ from pymc_mcssvi.posterior.marginal import (
     within_axis_range,
 )
 from pymc_mcssvi.posterior.profile_grid import (
-    GRID_DROP,
-    GRID_FLOOR_MARGIN,
     LADDER,
-    MAX_GRID_POINTS,
     GridMarginal,
     grid_marginal,
     grid_wanted,
     grow_grid,
 )
+from pymc_mcssvi.posterior.settings import SETTINGS
 from pymc_mcssvi.recognize.vectorize import vectorize_graph
 
 __all__ = [
@@ -85,19 +78,11 @@ __all__ = [
     "HyperMarginalResult",
     "ViewTables",
     "by_variable",
+    "principal_axes",
     "warn_higher_profile",
 ]
 
 logger = logging.getLogger("pymc_mcssvi")
-
-#: Largest departure (in log scale) of the data coordinates' scales from a sum over
-#: q(h)'s axes for which the axes' values are used on the whole grid.
-ADDITIVE_LOG_SCALE_TOL = 0.02
-#: Memory of one batch of the conditional view's sensitivity evaluations.
-SENSITIVITY_BATCH_BYTES = 2**27
-#: Rise of the hyperparameters' profile above its centre (nats) that is warned about:
-#: the fit stopped away from the best bound it reaches.
-PROFILE_RISE_WARN = 1.0
 
 
 class AxisTables(NamedTuple):
@@ -197,10 +182,10 @@ class HyperMarginal:
             work = self.work / max(len(k.hypers.w), 1)
             if self.tlm.general_terms or self.tlm.rayleighs:
                 # Monte Carlo + autodiff terms: a re-fit per draw is never cheap, and
-                # compiling it took PyTensor's rewriting > 5 minutes on a non-centered
-                # observation-level effect. A Rayleigh global: the re-fit moves q(w | h)
-                # only, and its value would be an input it is never given
-                # (MissingInputError in approx.sample). The draws come from the view
+                # PyTensor's rewriting of its graph can take minutes. A Rayleigh global:
+                # the re-fit moves q(w | h) only, and its value would be an input it is
+                # never given (MissingInputError in approx.sample). The draws come from
+                # the view
                 work = np.inf
             self._conditional_globals = ConditionalGlobals(
                 k, self.store, self.model, self.group, work
@@ -241,12 +226,12 @@ class HyperMarginal:
     def _grid_affordable(self, mu) -> bool:
         """Whether the grid's batched re-fits fit the re-fits' budget
         (:meth:`~pymc_mcssvi.posterior.conditional.ConditionalGlobals.affordable` for
-        :data:`~pymc_mcssvi.posterior.profile_grid.MAX_GRID_POINTS` points), judged from
-        the memory the profile's own step held (one re-fit at one point, already
-        compiled and run; 1.10-1.18x the batched step's per draw on the GLMM benchmark,
-        as it also holds the data): the batched step is compiled only for a grid that
-        is affordable. Logged at INFO when not, and ``False`` when measuring the
-        batched step fails (the axis marginal stays, as for any failure of the grid)."""
+        ``SETTINGS.max_grid_points`` points), judged from the memory the profile's own
+        step held (one re-fit at one point, already compiled and run; a little more
+        than the batched step's per draw, as it also holds the data): the batched step
+        is compiled only for a grid that is affordable. Logged at INFO when not, and
+        ``False`` when measuring the batched step fails (the axis marginal stays, as for
+        any failure of the grid)."""
         spec = self.kernel.hypers.spec
         measured = (
             step_measure(self._profile_fn.fn)
@@ -256,7 +241,9 @@ class HyperMarginal:
         try:
             with threadpool_limits(limits=1, user_api="blas"), np.errstate(all="ignore"):
                 hs = by_variable(np.tile(mu, (2, 1)), spec.shapes)
-                ok = self.conditional_globals().affordable(MAX_GRID_POINTS, hs, measured=measured)
+                ok = self.conditional_globals().affordable(
+                    SETTINGS.max_grid_points, hs, measured=measured
+                )
         except Exception as err:  # the batched step failed to compile or run: no grid
             logger.info("q(h) not gridded (%s: %s)", type(err).__name__, err)
             return False
@@ -287,7 +274,8 @@ class HyperMarginal:
         def evaluate(nodes, parents):
             nonlocal top
             H = mu + LADDER[nodes] * D
-            size = int(max(1, BATCH_BYTES // cg.bytes_per_draw(by_variable(H[:2], spec.shapes))))
+            per_draw = cg.bytes_per_draw(by_variable(H[:2], spec.shapes))
+            size = int(max(1, SETTINGS.refit_batch_bytes // per_draw))
             values = np.empty(len(nodes))
             for lo in range(0, len(nodes), size):
                 sl = slice(lo, lo + size)
@@ -310,7 +298,7 @@ class HyperMarginal:
                 means, factors, values[sl] = cg.refit(
                     by_variable(H[sl], spec.shapes),
                     start=start,
-                    floor=top - GRID_DROP - GRID_FLOOR_MARGIN,
+                    floor=top - SETTINGS.grid_drop - SETTINGS.grid_floor_margin,
                 )
                 top = max(top, float(np.max(values[sl])))
                 for i, node in enumerate(nodes[sl]):
@@ -368,16 +356,17 @@ class HyperMarginal:
             prof = ConditionalProfile(
                 self._profile_fn, mu, means, list(state.base.factors), responses
             )
-            L = state.hyper.lr_factor[0]
-            sd = np.sqrt(np.diag(np.linalg.inv(L @ L.T)))
+            L = state.hyper.lr_factor[0]  # lower Cholesky factor of q(h)'s precision
+            # q(h)'s sds: diag((L L^T)^{-1}) = diag(L^{-T} L^{-1}), the squared column
+            # norms of L^{-1} (a triangular solve)
+            sd = np.linalg.norm(solve_triangular(L, np.eye(len(L)), lower=True), axis=0)
             with np.errstate(all="ignore"):
                 centre = prof.refit(mu, *prof.start(mu, prof.fitted, mu))
-                H = prof.hessian(centre, HESSIAN_STEP * sd)
+                H = prof.hessian(centre, SETTINGS.hessian_step * sd)
                 P = -0.5 * (H + H.T)
                 L_P = np.linalg.cholesky(P)  # LinAlgError: not concave at the centre
                 result.lr_factor = L_P[None]
-                lam, V = np.linalg.eigh(np.linalg.inv(P))
-                s = np.sqrt(lam)
+                V, s = principal_axes(P)
                 along, s = prof.along_axes(centre, V, s)
                 refits = [centre, *along]
         except Exception as err:  # the Gaussian q(h) stays
@@ -399,9 +388,15 @@ class HyperMarginal:
                 np.round(s, 4),
             )
             return result
-        if len(s) > MAX_UNCHECKED_HYPERS and (skew := axis_skew(am)) < MIN_AXIS_SKEW:
+        if (
+            len(s) > SETTINGS.max_unchecked_hypers
+            and (skew := axis_skew(am)) < SETTINGS.min_axis_skew
+        ):
             logger.info(
-                "Skewed q(h) not used: %d axes, skew %.3f below %s", len(s), skew, MIN_AXIS_SKEW
+                "Skewed q(h) not used: %d axes, skew %.3f below %s",
+                len(s),
+                skew,
+                SETTINGS.min_axis_skew,
             )
             return result
         corners = self._corner_values(prof, centre, am, mu) if len(s) > 1 else None
@@ -433,7 +428,7 @@ class HyperMarginal:
         factors = list(state.base.factors)
         work = sum(f.shape[0] * f.shape[-1] ** 3 for f in factors)
         # the data's coordinates need the re-fits' covariances (as the averaged view does)
-        dc = data_coordinates(refits) if work <= MAX_VIEW_WORK else None
+        dc = data_coordinates(refits) if work <= SETTINGS.max_view_work else None
         n = len(s)
         masks = np.zeros((2, n_w))
         ls_axes = np.zeros((n, len(NODES), n_w))
@@ -453,8 +448,11 @@ class HyperMarginal:
                 return masks[0] * 0.5 * (log_sens[1:] - centre)
 
             additive = ls_axes[np.arange(n), pairs].sum(axis=1)
-            if len(pairs) and np.max(np.abs(exact(pairs) - additive)) > ADDITIVE_LOG_SCALE_TOL:
-                if len(NODES) ** n * n_w > MAX_MOMENT_GRID:
+            if (
+                len(pairs)
+                and np.max(np.abs(exact(pairs) - additive)) > SETTINGS.additive_log_scale_tol
+            ):
+                if len(NODES) ** n * n_w > SETTINGS.max_moment_grid:
                     dc = None  # the grid of log scales would not fit
                     masks[:] = 0.0
                 else:
@@ -551,11 +549,10 @@ class HyperMarginal:
         hs = np.asarray(hs, dtype="float64")
         fn = self._sensitivity_fn
         # Batched by the memory one point's intermediates hold (measured on the first
-        # call): a spline of 12 coefficients through a scaled cumsum held about 30 MB
-        # per point, and all 730 points of a three-hyperparameter grid at once 24 GB.
+        # call): a spline through a scaled cumsum holds a large array per point.
         first = fn(hs[:1])
         per_point = max(held_bytes(fn), 1)
-        size = int(max(1, min(len(hs), SENSITIVITY_BATCH_BYTES // per_point)))
+        size = int(max(1, min(len(hs), SETTINGS.sensitivity_batch_bytes // per_point)))
         out = [first] + [fn(hs[lo : lo + size]) for lo in range(1, len(hs), size)]
         return np.concatenate(out)
 
@@ -589,12 +586,11 @@ class HyperMarginal:
 
 def warn_higher_profile(model, tlm, refits, directions, scales, mu):
     """Warn when, after a converged fit, the profile along q(h)'s axes rises above its
-    centre by more than :data:`PROFILE_RISE_WARN` nats: the fit stopped away from the
-    highest bound it can reach, as on a rough or multimodal posterior (a sharp change
-    point: q(h) stayed at tau = 50 where NUTS puts it at 59, 6.9 sds away, with the
-    profile 1.2 nats higher 4 sds out)."""
+    centre by more than ``SETTINGS.profile_rise_warn`` nats: the fit stopped away from
+    the highest bound it can reach, as on a rough or multimodal posterior (a sharp
+    change point)."""
     rise = np.array([r.value for r in refits[1:]], dtype="float64") - refits[0].value
-    if not np.any(np.isfinite(rise)) or np.nanmax(rise) <= PROFILE_RISE_WARN:
+    if not np.any(np.isfinite(rise)) or np.nanmax(rise) <= SETTINGS.profile_rise_warn:
         return
     j, i = divmod(int(np.nanargmax(rise)), len(AXIS_POINTS))
     step = AXIS_POINTS[i] * np.asarray(directions)[:, j] * scales[j]
@@ -625,6 +621,32 @@ def warn_higher_profile(model, tlm, refits, directions, scales, mu):
         UserWarning,
         stacklevel=4,
     )
+
+
+def principal_axes(P):
+    """The principal axes and sds of the Gaussian of precision ``P``: ``(V, s)`` with
+    ``P^{-1} = V diag(s^2) V^T``, ``s`` ascending.
+
+    From the eigendecomposition of ``P`` itself (no inverse): its eigenvalues
+    ``lam`` ascending are the covariance's ``1 / lam`` descending, so both are
+    reversed. Each axis's sign, which the eigendecomposition leaves open, is fixed:
+    its largest component (the first of equal ones) is positive.
+
+    Examples
+    --------
+    >>> V, s = principal_axes(np.array([[4.0, 0.0], [0.0, 0.25]]))
+    >>> V.tolist(), s.tolist()
+    ([[1.0, 0.0], [0.0, 1.0]], [0.5, 2.0])
+    >>> u, v = np.array([0.6, 0.8]), np.array([-0.8, 0.6])
+    >>> V, s = principal_axes(4.0 * np.outer(u, u) + np.outer(v, v))
+    >>> np.round(V, 12).tolist(), np.round(s, 12).tolist()
+    ([[0.6, 0.8], [0.8, -0.6]], [0.5, 1.0])
+    """
+    lam, U = np.linalg.eigh(P)
+    V = U[:, ::-1]
+    big = np.argmax(np.abs(V), axis=0)
+    V = V * np.where(V[big, np.arange(V.shape[1])] < 0, -1.0, 1.0)
+    return V, 1.0 / np.sqrt(lam[::-1])
 
 
 def _flatten(flat_maps, size, blocks) -> np.ndarray:
@@ -710,12 +732,12 @@ def _node_moments(nodes: GridNodes, gm: GridMarginal, flat_maps, size, fitted):
     lam, U = np.linalg.eigh(0.5 * (W + W.T))
     C = U * np.sqrt(np.maximum(lam, 0.0))  # C C^T = W
     R = (m - mean).T @ C
-    if R.shape[1] > MAX_MOMENT_RANK:
+    rank = SETTINGS.max_moment_rank
+    if R.shape[1] > rank:
         Ur, sv, _ = np.linalg.svd(R, full_matrices=False)
-        R = Ur[:, :MAX_MOMENT_RANK] * sv[:MAX_MOMENT_RANK]
+        R = Ur[:, :rank] * sv[:rank]
     factors = []
     for L in nodes.factors:
         S = np.einsum("k,k...->...", p, _block_covariance(L))
-        prec = np.linalg.inv(S)
-        factors.append(np.linalg.cholesky(0.5 * (prec + np.swapaxes(prec, -1, -2))))
+        factors.append(_precision_factor(S))
     return DrawMoments(mean - fitted, R, (m - mean).T @ Q), factors

@@ -29,14 +29,10 @@ from pytensor.compile.mode import Mode
 from pytensor.graph.traversal import ancestors
 from pytensor.tensor.random.type import RandomType
 
+from pymc_mcssvi.posterior.settings import SETTINGS
 from pymc_mcssvi.recognize.vectorize import vectorize_graph
 
 __all__ = ["leaf_moments", "leaf_sampler"]
-
-#: Elements (draws x leaf entries) of one batch of leaf draws.
-BATCH_ELEMENTS = 2_000_000
-#: Draws of the approximation behind the leaves' marginal moments.
-MOMENT_DRAWS = 200
 
 
 def leaf_sampler(model, leaves):
@@ -77,7 +73,7 @@ def leaf_sampler(model, leaves):
     rngs = [i.variable for i in fn.maker.inputs if isinstance(i.variable.type, RandomType)]
     names = [v.name for v in values]
     per_draw = sum(leaf.size for leaf in leaves)
-    size = int(max(1, BATCH_ELEMENTS // max(per_draw, 1)))
+    size = int(max(1, SETTINGS.leaf_batch_elements // max(per_draw, 1)))
 
     def draw(samples, random_seed=None):
         if isinstance(random_seed, np.random.SeedSequence):
@@ -95,8 +91,11 @@ def leaf_sampler(model, leaves):
     return draw
 
 
-def leaf_moments(approx, leaves, params, draws=MOMENT_DRAWS, random_seed=0):
-    """Fill ``params`` with the leaves' marginal means and sds under ``approx``."""
+def leaf_moments(approx, leaves, params, draws=None, random_seed=0):
+    """Fill ``params`` with the leaves' marginal means and sds under ``approx``, from
+    ``draws`` draws (default ``SETTINGS.leaf_moment_draws``)."""
+    if draws is None:
+        draws = SETTINGS.leaf_moment_draws
     samples = approx.sample_dict_fn(draws, random_seed=random_seed)
     for leaf in leaves:
         x = np.asarray(samples[leaf.value.name], dtype="float64").reshape(draws, -1)

@@ -26,6 +26,7 @@ import numpy as np
 import pytensor
 import pytensor.tensor as pt
 
+from pymc_mcssvi.posterior.settings import SETTINGS
 from pymc_mcssvi.recognize.graph import as_float, remove_checks, shape64
 from pymc_mcssvi.recognize.marginalize import in_local_layout, laplace_nodes
 from pymc_mcssvi.recognize.roles import dist_params
@@ -35,10 +36,9 @@ from pymc_mcssvi.recognize.vectorize import vectorize_graph
 __all__ = ["LocalMoments", "conditional_local_sampler", "local_posteriors"]
 
 
-#: Adaptive Gauss-Hermite nodes per local for its posterior moments: centred on each
-#: row's mode, 20 match 40 to 1e-6 in the moments (Poisson counts up to 200).
-LOCAL_NODES = 20
-#: Elements (draws x nodes x observations) of one batch of :func:`local_posteriors`.
+#: Elements (draws x nodes x observations) of one batch of :func:`local_posteriors`. A
+#: module constant, not a field of ``SETTINGS``, while a test outside
+#: ``tests/posterior`` sets it on this module.
 BATCH_ELEMENTS = 2_000_000
 
 
@@ -46,8 +46,8 @@ def _over_draws(values, outputs, summed):
     """``outputs`` (graphs of ``values``) vectorized over a leading draws axis and
     compiled, summed over that axis if ``summed``.
 
-    FAST_COMPILE: with merging only (as the profile's re-fits) the 200 draws of a
-    48-row Binomial GLMM's locals took 7.7 s instead of 2.9 s.
+    Compiled in FAST_COMPILE, not with merging only as the profile's re-fits: its
+    rewrites pay for themselves over the draws.
     """
     batched = [pt.TensorType(v.dtype, shape=(None, *v.type.shape))(name=v.name) for v in values]
     outs = vectorize_graph(outputs, dict(zip(values, batched, strict=True)))
@@ -76,7 +76,7 @@ class LocalMoments:
 
     def __init__(self, model, lc, locals_, n_inner=None):
         self.model, self.lc = model, lc
-        self.n_inner = LOCAL_NODES if n_inner is None else n_inner
+        self.n_inner = SETTINGS.local_nodes if n_inner is None else n_inner
         local_rvs = {x.rv for x in locals_}
         self.values = [model.rvs_to_values[rv] for rv in model.free_RVs if rv not in local_rvs]
         self.names = [v.name for v in self.values]

@@ -3,12 +3,10 @@ r"""q(h) from the profile on a grid, for one or two hyperparameter coordinates.
 The axis marginal (:mod:`pymc_mcssvi.posterior.marginal`) evaluates the
 profile ``L(h) = max_{q(w)} bound(q(w), h)`` on straight lines along q(h)'s
 principal axes, out to 4 sds, and draws the axes independently. A group scale's
-log has a long, curved tail that neither follows: on the grouseticks GLMM
-(crossed brood and location intercepts) ``log sigma_location`` runs towards
-``-inf`` along a ridge where ``sigma_brood`` takes over the variance, its
-density falling about as the HalfNormal prior's ``exp(log sigma)``: NUTS puts
-5% of ``sigma_location`` below 0.09, the axis marginal below 0.29, and its mean
-14% above NUTS's.
+log has a long, curved tail that neither follows: with crossed intercepts, one
+scale's log runs towards ``-inf`` along a ridge where the other scale takes over
+the variance, its density falling about as the HalfNormal prior's ``exp(log
+sigma)``; the axis marginal cuts that tail off and puts the scale's mean high.
 
 With at most :data:`MAX_GRID_HYPERS` coordinates the profile is evaluated on a
 grid instead, as INLA's grid strategy does: coordinates ``t`` of ``h = mu + D
@@ -16,7 +14,7 @@ t`` with ``D`` the Gaussian q(h)'s conditional sds (so the ridge of a scale
 that goes to 0, along its own coordinate, stays on one grid line), at the
 nodes :data:`LADDER` (unit spacing to 4, then wider). The grid starts with the
 nodes within 4 of the centre and grows by the neighbours of every node whose
-profile is within :data:`GRID_DROP` of the largest (:func:`grow_grid`); each
+profile is within ``SETTINGS.grid_drop`` of the largest (:func:`grow_grid`); each
 round's re-fits are one batched call. The density interpolated between the
 nodes (cubic splines, in each coordinate in turn) is drawn from by a
 triangular map (:func:`grid_marginal`): ``t_1`` from its marginal, ``t_2``
@@ -35,18 +33,11 @@ from scipy.interpolate import CubicSpline
 from scipy.special import ndtr
 
 from pymc_mcssvi.posterior.marginal import AXIS_POINTS, EPS_GRID
+from pymc_mcssvi.posterior.settings import SETTINGS
 
 __all__ = [
-    "GRID_DROP",
-    "GRID_FLOOR_MARGIN",
-    "GRID_STEP",
     "LADDER",
-    "MAX_CONDITIONAL_ROWS",
     "MAX_GRID_HYPERS",
-    "MAX_GRID_POINTS",
-    "SPLINE_CAP",
-    "TAIL_DROP",
-    "CORNER_TOL",
     "grid_wanted",
     "GridMarginal",
     "conditional_transform",
@@ -54,7 +45,9 @@ __all__ = [
     "grow_grid",
 ]
 
-#: Most hyperparameter coordinates whose q(h) is the profile on a grid.
+#: Most hyperparameter coordinates whose q(h) is the profile on a grid: its nodes
+#: multiply with each coordinate. Read by :mod:`pymc_mcssvi.pymc.inference` at import (a
+#: constant until that module reads :data:`~pymc_mcssvi.posterior.settings.SETTINGS`).
 MAX_GRID_HYPERS = 2
 #: Grid nodes of each coordinate, in the Gaussian q(h)'s conditional sds: unit
 #: spacing where the density is, wider in the tails (a log scale's density towards
@@ -63,25 +56,6 @@ LADDER = np.array(
     [-48, -32, -24, -16, -12, -8, -6, -4, -3, -2, -1, 0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48],
     dtype="float64",
 )
-#: Nodes whose profile is more than this many nats below the largest do not grow the grid.
-GRID_DROP = 9.0
-#: Re-fits at nodes whose profile stays this far below the growth threshold
-#: (``GRID_DROP`` below the highest) stop early, unconverged (nats).
-GRID_FLOOR_MARGIN = 3.0
-#: Most grid nodes evaluated (above it the grid stops growing).
-MAX_GRID_POINTS = 600
-#: Spacing of the fine grid the density is interpolated on (conditional sds).
-GRID_STEP = 0.05
-#: Most a spline between two grid nodes may rise above the larger of them (nats).
-SPLINE_CAP = 0.5
-#: A profile that has fallen by less than this at 4 sds along an axis of q(h) (a
-#: Gaussian's falls by 8) has a tail the axis marginal cuts off: the grid is used.
-TAIL_DROP = 6.5
-#: Largest departure (nats) of the profile at ``+-2`` sds on two axes from the sum of
-#: its values on each axis for which the axes are taken as independent (no grid).
-CORNER_TOL = 0.5
-#: Most rows of the conditional quantile table (:func:`conditional_transform`).
-MAX_CONDITIONAL_ROWS = 241
 
 
 def _centre_index() -> int:
@@ -112,7 +86,7 @@ def grow_grid(evaluate, start_log_density, n: int) -> dict:
     --------
     A Gaussian profile with an exponential left tail (a log scale's) along the
     first coordinate: the grid follows the tail and stops where it has fallen by
-    :data:`GRID_DROP`.
+    ``SETTINGS.grid_drop``.
 
     >>> import numpy as np
     >>> def logp(t):
@@ -125,19 +99,19 @@ def grow_grid(evaluate, start_log_density, n: int) -> dict:
     """
     c = _centre_index()
     box = np.array(list(itertools.product(range(c - 4, c + 5), repeat=n)))
-    keep = start_log_density(LADDER[box]) > -(GRID_DROP + 1.0)
+    keep = start_log_density(LADDER[box]) > -(SETTINGS.grid_drop + 1.0)
     nodes = box[keep]
     values: dict = {}
     parents = np.full_like(nodes, -1)
     steps = np.array([d for d in itertools.product((-1, 0, 1), repeat=n) if any(d)])
-    while len(nodes) and len(values) < MAX_GRID_POINTS:
+    while len(nodes) and len(values) < SETTINGS.max_grid_points:
         out = np.asarray(evaluate(nodes, parents), dtype="float64")
         for idx, v in zip(map(tuple, nodes), out, strict=True):
             values[idx] = float(v) if np.isfinite(v) else -np.inf
         top = max(values.values())
         new = {}
         for idx, v in values.items():
-            if not v > top - GRID_DROP:
+            if not v > top - SETTINGS.grid_drop:
                 continue
             for d in steps:
                 nb = tuple(np.add(idx, d))
@@ -165,8 +139,8 @@ def grid_wanted(axis_values, corner_values) -> tuple[bool, float, float]:
     -------
     wanted, tail, corner : bool, float, float
         ``tail``: the smallest fall at ``+-4`` sds (a heavy tail falls by less than
-        :data:`TAIL_DROP`); ``corner``: the largest departure of a corner from the
-        sum of its axes' values (a ridge that bends, above :data:`CORNER_TOL`).
+        ``SETTINGS.tail_drop``); ``corner``: the largest departure of a corner from the
+        sum of its axes' values (a ridge that bends, above ``SETTINGS.corner_tol``).
 
     Examples
     --------
@@ -193,7 +167,7 @@ def grid_wanted(axis_values, corner_values) -> tuple[bool, float, float]:
                     additive = d[j, at[a]] + d[m, at[b]]
                     corner = max(corner, float(abs(corner_values[k] - additive)))
                     k += 1
-    return bool(tail < TAIL_DROP or corner > CORNER_TOL), tail, corner
+    return bool(tail < SETTINGS.tail_drop or corner > SETTINGS.corner_tol), tail, corner
 
 
 class GridMarginal(NamedTuple):
@@ -228,20 +202,20 @@ class GridMarginal(NamedTuple):
 
 def _fill(values: dict, n: int):
     """The grid's values on the bounding box of its nodes; nodes not evaluated (beyond
-    :data:`GRID_DROP` of every evaluated neighbour) and non-finite values get a floor
+    ``SETTINGS.grid_drop`` of every evaluated neighbour) and non-finite values get a floor
     well below the evaluated ones."""
     idx = np.array(list(values), dtype="int64").reshape(-1, n)
     v = np.array(list(values.values()))
     lo, hi = idx.min(0), idx.max(0)
     finite = v[np.isfinite(v)]
-    floor = finite.min() - 2.0 * GRID_DROP
+    floor = finite.min() - 2.0 * SETTINGS.grid_drop
     box = np.full(tuple(hi - lo + 1), floor)
     box[tuple((idx - lo).T)] = np.where(np.isfinite(v), v, floor)
     return [LADDER[lo[j] : hi[j] + 1] for j in range(n)], box - finite.max()
 
 
 def _interpolate(nodes, values, fine, axis):
-    """Cubic spline of ``values`` along ``axis`` at ``fine``, capped at :data:`SPLINE_CAP`
+    """Cubic spline of ``values`` along ``axis`` at ``fine``, capped at ``SETTINGS.spline_cap``
     above the larger of the two nodes around each point: a spline's overshoot next
     to the floor of :func:`_fill` would make a bump, while a smooth peak between two
     nodes rises above both by at most an eighth of its curvature (unit spacing)."""
@@ -250,7 +224,7 @@ def _interpolate(nodes, values, fine, axis):
     out = CubicSpline(nodes, values, axis=axis)(fine)
     i = np.clip(np.searchsorted(nodes, fine, side="right") - 1, 0, len(nodes) - 2)
     cap = np.maximum(np.take(values, i, axis=axis), np.take(values, i + 1, axis=axis))
-    return np.minimum(out, cap + SPLINE_CAP)
+    return np.minimum(out, cap + SETTINGS.spline_cap)
 
 
 def _quantiles(p, fine):
@@ -269,7 +243,8 @@ def grid_marginal(values: dict, n: int) -> GridMarginal:
     """The triangular map and moments of the density interpolated between the grid's nodes.
 
     Log densities are interpolated by cubic splines (capped at the nodes around each
-    point) along each coordinate in turn onto a grid of spacing :data:`GRID_STEP` inside the nodes' box.
+    point) along each coordinate in turn onto a grid of spacing ``SETTINGS.grid_step``
+    inside the nodes' box.
 
     Examples
     --------
@@ -277,7 +252,7 @@ def grid_marginal(values: dict, n: int) -> GridMarginal:
     the Gaussian's.
 
     >>> import numpy as np, itertools
-    >>> P = np.linalg.inv(np.array([[1.0, 0.6], [0.6, 1.0]]))
+    >>> P = np.array([[1.0, -0.6], [-0.6, 1.0]]) / 0.64  # the covariance's inverse
     >>> c = int(np.flatnonzero(LADDER == 0)[0])
     >>> vals = {i: -0.5 * LADDER[list(i)] @ P @ LADDER[list(i)]
     ...         for i in itertools.product(range(c - 6, c + 7), repeat=2)}
@@ -286,7 +261,7 @@ def grid_marginal(values: dict, n: int) -> GridMarginal:
     ([[1.0, 0.6], [0.6, 1.0]], True)
     """
     axes, box = _fill(values, n)
-    fine = [np.arange(a[0], a[-1] + 0.5 * GRID_STEP, GRID_STEP) for a in axes]
+    fine = [np.arange(a[0], a[-1] + 0.5 * SETTINGS.grid_step, SETTINGS.grid_step) for a in axes]
     lg = box
     for j in range(n):
         lg = _interpolate(axes[j], lg, fine[j], j)
@@ -303,7 +278,7 @@ def grid_marginal(values: dict, n: int) -> GridMarginal:
     if n == 1:
         conditional, rows = table[:1], fine[0][:1]
     else:
-        every = int(np.ceil(len(fine[0]) / MAX_CONDITIONAL_ROWS))
+        every = int(np.ceil(len(fine[0]) / SETTINGS.max_conditional_rows))
         pick = np.arange(0, len(fine[0]), every)
         rows = fine[0][pick]
         cond = np.exp(lg[pick] - lg[pick].max(axis=1, keepdims=True))

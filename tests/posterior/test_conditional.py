@@ -5,6 +5,7 @@ import pymc as pm
 
 import pymc_mcssvi  # noqa: F401  (registers the methods)
 from pymc_mcssvi.posterior.conditional import ConditionalGlobals
+from pymc_mcssvi.posterior.settings import SETTINGS
 
 
 def _lmm(rng, G=5, n=60):
@@ -59,7 +60,7 @@ def test_draws_are_reproducible_and_not_refitted_when_too_expensive(rng, monkeyp
     sampler = approx._conditional_samplers()[0]
     calls = []
     monkeypatch.setattr(sampler, "refit", lambda hs: calls.append(hs) or 1 / 0)
-    monkeypatch.setattr("pymc_mcssvi.posterior.conditional.EXACT_CONDITIONAL_WORK", 0.0)
+    monkeypatch.setattr(SETTINGS, "exact_conditional_work", 0.0)
     approx.sample(50, random_seed=3)  # the linear-response draws: no re-fit
     assert calls == []
 

@@ -6,11 +6,9 @@ import pytensor.tensor as pt
 import pytest
 
 import pymc_mcssvi
-from pymc_mcssvi.posterior import hyper_marginal
 from pymc_mcssvi.posterior.marginal import (
     AXIS_POINTS,
     EPS_GRID,
-    MAX_AXIS_RESCALES,
     NODES,
     ConditionalProfile,
     axis_marginal,
@@ -19,6 +17,7 @@ from pymc_mcssvi.posterior.marginal import (
     table_transform,
     volume_corrections,
 )
+from pymc_mcssvi.posterior.settings import SETTINGS
 from tests.conftest import nuts_draws
 
 
@@ -137,7 +136,7 @@ def test_axis_walk_is_at_the_scale_it_reports():
     refits, scales = prof.along_axes(centre, np.eye(1), np.ones(1))
     values = np.array([r.value for r in refits])
     np.testing.assert_allclose(values, -c * (AXIS_POINTS * scales[0]) ** 4, rtol=1e-12)
-    assert MAX_AXIS_RESCALES >= 1
+    assert SETTINGS.max_axis_rescales >= 1
 
 
 def _lmm(rng, G=10, n=120, sd_a=0.25):
@@ -436,10 +435,9 @@ def test_view_noise_keeps_the_data_fixed_direction_of_crossed_noncentered_effect
     under the view was up to 2.8x the re-fitted q(w | h)'s (grouseticks). Averaged in the
     data's coordinates (``sigma z``) it stays within 10%, and ``approx.std`` matches the
     draws' sd."""
-    from pymc_mcssvi.posterior import conditional
     from pymc_mcssvi.posterior.marginal import NODES, _block_covariance
 
-    monkeypatch.setattr(conditional, "EXACT_CONDITIONAL_WORK", 0.0)  # draws from the view
+    monkeypatch.setattr(SETTINGS, "exact_conditional_work", 0.0)  # draws from the view
     m, brood, loc, x = _nested_crossed_poisson(np.random.default_rng(0))
     with m:
         inf = pymc_mcssvi.HMCSSVI(random_seed=1)
@@ -479,8 +477,8 @@ def test_view_noise_keeps_the_data_fixed_direction_of_crossed_noncentered_effect
     # and over q(h) the view's predictors have the sds of q(w | h) re-fitted at each draw
     # (means that follow the scales additively in z gave up to 1.38x; in the data's
     # coordinates 1.12x against NUTS)
-    monkeypatch.setattr(conditional, "EXACT_CONDITIONAL_WORK", 1e14)
-    monkeypatch.setattr(conditional, "EXACT_CONDITIONAL_BYTES", 1e14)
+    monkeypatch.setattr(SETTINGS, "exact_conditional_work", 1e14)
+    monkeypatch.setattr(SETTINGS, "exact_conditional_bytes", 1e14)
     exact = approx.sample(2000, random_seed=3).posterior["eta"].values.reshape(2000, -1)
     eta = post["eta"].values.reshape(20_000, -1)
     ratio = eta.std(0) / exact.std(0)
@@ -521,12 +519,10 @@ def test_confounded_noncentered_effects_against_nuts():
 def _view_and_refitted_draws(monkeypatch, approx, name, n_view, n_exact):
     """Draws of ``name`` from the conditional view (seed 2) and from q(w | h) re-fitted at
     each draw of the hyperparameters (seed 3), flattened to ``(draws, -1)``."""
-    from pymc_mcssvi.posterior import conditional
-
-    monkeypatch.setattr(conditional, "EXACT_CONDITIONAL_WORK", 0.0)  # draws from the view
+    monkeypatch.setattr(SETTINGS, "exact_conditional_work", 0.0)  # draws from the view
     view = approx.sample(n_view, random_seed=2).posterior[name].values.reshape(n_view, -1)
-    monkeypatch.setattr(conditional, "EXACT_CONDITIONAL_WORK", 1e14)
-    monkeypatch.setattr(conditional, "EXACT_CONDITIONAL_BYTES", 1e14)
+    monkeypatch.setattr(SETTINGS, "exact_conditional_work", 1e14)
+    monkeypatch.setattr(SETTINGS, "exact_conditional_bytes", 1e14)
     exact = approx.sample(n_exact, random_seed=3).posterior[name].values.reshape(n_exact, -1)
     return view, exact
 
@@ -605,7 +601,7 @@ def test_data_coordinate_scales_are_evaluated_in_bounded_batches(monkeypatch):
         inf.store.symbolic.hyper.base_mean.get_value()[0], 0.3, (5, 3)
     )
     whole = inf._posterior.log_sensitivities(hs)
-    monkeypatch.setattr(hyper_marginal, "SENSITIVITY_BATCH_BYTES", 1)
+    monkeypatch.setattr(SETTINGS, "sensitivity_batch_bytes", 1)
     np.testing.assert_allclose(inf._posterior.log_sensitivities(hs), whole, rtol=1e-12)
     post = approx.sample(2000, random_seed=2).posterior
     assert np.all(np.isfinite(post["f"].values))

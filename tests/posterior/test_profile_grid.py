@@ -6,6 +6,7 @@ import pytest
 
 import pymc_mcssvi
 from pymc_mcssvi.posterior import hyper_marginal
+from pymc_mcssvi.posterior.settings import SETTINGS
 from pymc_mcssvi.pymc import inference
 from tests.posterior.test_marginal import _exact_scale_posterior, _lmm, _lmm_model
 
@@ -53,14 +54,12 @@ def test_grid_nodes_serve_draws_when_refits_are_not_affordable(monkeypatch):
     q(w | h) at the grid's nodes, interpolated between them. On the Gaussian LMM their
     mean and sd match those of exact re-fits at every draw (same ``h`` draws: same seed)
     to within Monte Carlo error."""
-    from pymc_mcssvi.posterior import conditional
-
     rng = np.random.default_rng(1)
     g, x, y = _lmm(rng, G=10)
     with _lmm_model(g, x, y, 10, centered=False):
         approx = pm.fit(method="hmcssvi", random_seed=1, progressbar=False)
     exact = approx.sample(8000, random_seed=2).posterior["a"].values.reshape(8000, -1)
-    monkeypatch.setattr(conditional, "EXACT_CONDITIONAL_WORK", 0.0)
+    monkeypatch.setattr(SETTINGS, "exact_conditional_work", 0.0)
     nodes = approx.sample(8000, random_seed=2).posterior["a"].values.reshape(8000, -1)
     z = (nodes.mean(0) - exact.mean(0)) / exact.std(0)
     ratio = nodes.std(0) / exact.std(0)
@@ -87,7 +86,7 @@ def test_grid_affordability_is_judged_without_compiling_the_batched_refit(monkey
     shapes = inf.kernel.hypers.spec.shapes
     per_draw = cg.bytes_per_draw(hyper_marginal.by_variable(np.tile(mu, (2, 1)), shapes))
     assert per_draw <= single <= 1.5 * per_draw, (single, per_draw)
-    monkeypatch.setattr(conditional, "EXACT_CONDITIONAL_BYTES", 1.0)
+    monkeypatch.setattr(SETTINGS, "exact_conditional_bytes", 1.0)
     with _lmm_model(g, x, y, 10, centered=False):
         inf = pymc_mcssvi.HMCSSVI(random_seed=1)
         inf.fit(progressbar=False)

@@ -302,7 +302,7 @@ def test_small_slope_sd_of_an_lkj_covariance_has_no_runaway_tail(monkeypatch, fl
     now; and where an axis marginal is refused, the Gaussian kept is fitted to the
     profile along the axes (checked by refusing every flat top)."""
     if not flat_top:
-        monkeypatch.setattr(marginal, "FLAT_TOP_FALL", np.inf)
+        monkeypatch.setattr(marginal.SETTINGS, "flat_top_fall", np.inf)
     model = _lkj_bernoulli_model()
     ref = nuts_draws(model, "lkj_bernoulli_nc").posterior
     with model:

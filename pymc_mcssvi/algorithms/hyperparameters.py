@@ -518,7 +518,10 @@ class PointHyperparameters:
         spec, n = self.spec, self.spec.size
         init = np.asarray(spec.init, dtype="float64")
         opt0 = tuple(spec.optimizer.init(init)) if spec.optimizer else ()
-        return PointHyperState(init, init, np.zeros(n), -np.eye(n), opt0, opt0)
+        # Newton steps keep the accepted Hessian; first-order steps need none (an
+        # n x n array for thousands of coordinates, a topic model's topics, is not kept)
+        hess = -np.eye(n) if spec.optimizer is None else np.zeros((0, 0))
+        return PointHyperState(init, init, np.zeros(n), hess, opt0, opt0)
 
     def reset(self, state: PointHyperState) -> PointHyperState:
         """The candidate back at the accepted estimate (values)."""

@@ -44,7 +44,7 @@ __all__ = ["MAX_COUPLED_HYPERS", "StepKernel"]
 MAX_COUPLED_HYPERS = 32
 #: Bytes of intermediates one term's evaluation may hold before it is reduced chunk
 #: by chunk: the step's peak memory is then a few of these plus q, whatever the data.
-CHUNK_BYTES = 2**28
+CHUNK_BYTES = 2**25
 
 
 class Part(NamedTuple):
@@ -431,9 +431,11 @@ class StepKernel:
             multiplier *= len(self.hypers.w)
         if self.rayleighs is not None:
             multiplier *= self.rayleighs.n_nodes ** len(self.rayleighs.rayleighs)
-        return self.bound.chunk_sizes(self.chunk_budget, self.chunk_size, multiplier)
+        return self.bound.chunk_sizes(
+            self.chunk_budget, self.chunk_size, multiplier, scans=not self._batches_parts()
+        )
 
-    def _evaluate(self, state, by_node, terms=None, chunk=None) -> Part:
+    def _evaluate(self, state, by_node, terms=None, chunk=None, mode=None) -> Part:
         """The bound's outputs at the candidate (``terms``: a part of them, ``chunk``:
         restricted to a chunk of one term's observations), averaged over the
         Rayleigh globals' nodes and q(h)'s sigma points, with the hyperparameters' and
@@ -453,6 +455,10 @@ class StepKernel:
             terms=terms,
             chunk=chunk,
             with_entropy=whole,
+            # a term's own scans (one product at a time) only where nothing batches
+            # the graph afterwards
+            scans=not whole and not self._batches_parts(),
+            scan_mode=mode,
         )
         n_values = 1 + len(ev.phase_values)
         stats = [ev.value, *ev.phase_values, *ev.grads, *ev.hessians]
@@ -480,6 +486,12 @@ class StepKernel:
             rgrads = self.rayleighs.gradients(state.rayleigh, outs[0])
         return Part(list(outs), finite, haux, rgrads, n_values)
 
+    def _batches_parts(self) -> bool:
+        """Whether the evaluation is batched over q(h)'s sigma points or the Rayleigh
+        globals' nodes (by :func:`~pymc_mcssvi.recognize.vectorize.vectorize_graph`)."""
+        meanfield = self.hypers is not None and self.hypers.mode == "meanfield"
+        return meanfield or self.rayleighs is not None
+
     def _reduced_term(self, state, by_node, index: int, size: int, mode=None) -> Part:
         """Term ``index``'s :class:`Part`, reduced over chunks of ``size`` of its
         observations by a scan: the step holds one chunk's intermediates at a time."""
@@ -487,7 +499,7 @@ class StepKernel:
         chunk_index, chunk_weight = chunk_layout(term.n_obs, size)
         idx = pt.vector("chunk_index", dtype="int64", shape=(size,))
         w = pt.vector("chunk_weight", dtype="float64", shape=(size,))
-        part = self._evaluate(state, by_node, terms=[index], chunk=Chunk(idx, w))
+        part = self._evaluate(state, by_node, terms=[index], chunk=Chunk(idx, w), mode=mode)
         flat, rebuild = _flatten_part(part)
         for x in flat:
             if None in x.type.shape:

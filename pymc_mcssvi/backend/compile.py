@@ -265,8 +265,12 @@ def compile_step(kernel, store, model, backend, compile_kwargs, random_seed) -> 
     # a scan that reduces chunked terms runs its body in the step's own backend (the
     # Python backend's: the Python VM with the plugin's rewrites, not C thunks)
     inner = python_step_mode() if backend == "python" else None
+    # quadratures node by node help XLA where whole arrays of observations would stream
+    # through memory; a chunked step's arrays are a chunk's, and the node-by-node form
+    # costs compilation time and memory
+    by_node = jax and not kernel.chunk_plan()
     with graph_building():
-        new_state, info = kernel.step(store.symbolic, by_node=jax, inner_mode=inner)
+        new_state, info = kernel.step(store.symbolic, by_node=by_node, inner_mode=inner)
         outputs, updates = list(info), store.updates(new_state)
     if backend == "python":
 

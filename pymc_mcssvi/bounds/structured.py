@@ -151,7 +151,9 @@ class StructuredBound:
         """Phases of a step: 2 when a matrix factorization's factors move in turn."""
         return 2 if self.bilinear.active else 1
 
-    def chunk_sizes(self, budget: float, chunk_size=None, multiplier: float = 1.0) -> dict:
+    def chunk_sizes(
+        self, budget: float, chunk_size=None, multiplier: float = 1.0, scans: bool = True
+    ) -> dict:
         """Observations per chunk of the terms whose evaluation is split, by term index.
 
         A data term whose observations can be split (``term.n_obs``) is split when its
@@ -159,7 +161,8 @@ class StructuredBound:
         multiplier``; ``multiplier`` counts the hyperparameters' sigma points and the
         Rayleigh nodes the step batches it over) pass ``budget`` bytes, into chunks
         that fit it; ``chunk_size`` (observations) splits every such term with more
-        observations than that.
+        observations than that. ``scans``: whether terms may take their own products one
+        at a time (the evaluation is not batched afterwards).
         """
         out = {}
         for i, term in enumerate(self.terms):
@@ -169,7 +172,7 @@ class StructuredBound:
             if chunk_size is not None:
                 size = int(chunk_size)
             else:
-                per = term.bytes_per_observation() * float(multiplier)
+                per = term.bytes_per_observation(scans) * float(multiplier)
                 if per <= 0 or n * per <= budget:
                     continue
                 size = int(max(1, budget // per))
@@ -292,6 +295,8 @@ class StructuredBound:
         terms=None,
         chunk=None,
         with_entropy: bool = True,
+        scans: bool = False,
+        scan_mode=None,
     ):
         """Build the bound and its natural-gradient ingredients for ``states``.
 
@@ -325,7 +330,15 @@ class StructuredBound:
         nseg = len(states)
         head = self.arrow_head if (need_derivatives and need_hessian) else None
         opts = EvalOptions(
-            need_derivatives, need_hessian, head, phase, step, by_node, self.n_phases
+            need_derivatives,
+            need_hessian,
+            head,
+            phase,
+            step,
+            by_node,
+            self.n_phases,
+            scans,
+            scan_mode,
         )
         selected = self.terms if terms is None else [self.terms[i] for i in terms]
         if chunk is not None and len(selected) != 1:

@@ -31,7 +31,10 @@ Fixed draws are antithetic pairs, which makes odd moments exact.
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
+import pytensor
 import pytensor.tensor as pt
 from pytensor.graph.basic import Constant
 from pytensor.graph.replace import graph_replace
@@ -124,7 +127,12 @@ class GeneralEstimator:
         grad = pt.grad(total, w)
         # one Hessian-vector product per color: coordinate k of every row of the
         # row-separable globals at once, and one per coordinate of the others
-        self._color_of = hessian_colors(tlm.gaussians, tlm.general_rows)
+        read = {
+            i
+            for i, g in enumerate(tlm.gaussians)
+            if any(depends_on_any(t.logp, [g.value]) for t in tlm.general_terms)
+        }
+        self._color_of = hessian_colors(tlm.gaussians, tlm.general_rows, read)
         n_colors = int(self._color_of[:, 0].max()) + 1
         colors = pt.set_subtensor(
             pt.zeros((n_colors, self.dim))[self._color_of[:, 0], np.arange(self.dim)], 1.0
@@ -134,6 +142,9 @@ class GeneralEstimator:
         hess = vectorize_graph(hvp, {c: colors})  # (C, dim)
         self._w = w
         self._graphs = (total, grad, hess)
+        #: the products one color at a time (a scan over the colors: a chunked step
+        #: holds one product's intermediates, not every color's)
+        self._hvp, self._color, self._colors = hvp, c, colors
         self.per_observation = PerObservation.build(tlm, self.offsets, self.maps)
         per_obs = self.per_observation
         if per_obs is not None and per_obs.cost >= n_colors * per_obs.n_obs:
@@ -147,12 +158,21 @@ class GeneralEstimator:
         half = moment_matched(rng.standard_normal((self.n_draws // 2, seg.rows, seg.k)))
         return pt.constant(np.concatenate([half, -half]))
 
-    def expectations(self, states, parameterization, need_hessian=True, draws=None):
+    def expectations(
+        self,
+        states,
+        parameterization,
+        need_hessian=True,
+        draws=None,
+        by_color=False,
+        scan_mode=None,
+    ):
         """``(T, grads, hessians)`` with per-segment ``(R, K)`` / ``(R, K, K)`` blocks.
 
         ``draws`` (a :class:`~pymc_mcssvi.terms.base.Chunk` of draw positions, fixed
         draws only) restricts the averages to those draws, weighted: their part of the
-        averages over all draws.
+        averages over all draws. ``by_color`` takes the Hessian-vector products one
+        color at a time (a scan compiled with ``scan_mode``).
         """
         if not self.active:
             return pt.constant(0.0), [None] * len(states), [None] * len(states)
@@ -167,24 +187,39 @@ class GeneralEstimator:
         average = _average if draws is None else _weighted_average(draws.weight, self.n_draws)
         if need_hessian and self.per_observation is not None:
             return self.per_observation.expectations(W, self.maps, average)
-        graphs = self._graphs if need_hessian else self._graphs[:2]
+        graphs = self._graphs if (need_hessian and not by_color) else self._graphs[:2]
         vals = vectorize_graph(list(graphs), {self._w: W})
         T = average(vals[0])
         g = average(vals[1])
         grads = [g[idx] for idx in self.maps]
         if not need_hessian:
             return T, grads, [None] * len(states)
-        HV = average(vals[2])
+        if by_color:
+            HV = self._products_by_color(W, average, scan_mode)
+        else:
+            HV = average(vals[2])
         hess = []
         for idx in self.maps:
             blocks = _blocks(HV, idx, self._color_of)
             hess.append(0.5 * (blocks + blocks.dimshuffle(0, 2, 1)))
         return T, grads, hess
 
-    def bytes_per_draw(self) -> float:
-        """Rough bytes of one draw's intermediates: the static sizes of the nodes of the
-        terms' log density that depend on the globals, for the value, the gradient and
-        each colored Hessian-vector product."""
+    def _products_by_color(self, W, average, mode=None):
+        """The Hessian-vector products of every color, averaged over the draws ``W``,
+        computed one color at a time by a scan (``(C, dim)``)."""
+
+        def product(color):
+            return average(vectorize_graph(self._hvp, {self._w: W, self._color: color}))
+
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "The `mode` argument of `scan`", FutureWarning)
+            return pytensor.scan(product, sequences=[self._colors], return_updates=False, mode=mode)
+
+    def bytes_per_draw(self, by_color: bool = True) -> float:
+        """Rough bytes of one draw's intermediates in a chunked step: the static sizes
+        of the nodes of the terms' log density that depend on the globals, for the
+        value, the gradient and the colored Hessian-vector products (one at a time
+        with ``by_color``)."""
         total, _, _ = self._graphs
         dependent = {self._w}
         elements = 0
@@ -195,7 +230,9 @@ class GeneralEstimator:
             for out in node.outputs:
                 shape = out.type.shape
                 elements += int(np.prod([1 if d is None else d for d in shape], dtype=float))
-        n_colors = int(self._color_of[:, 0].max()) + 1
+        # the value and the gradient, and one color's product at a time (a scan) or
+        # every color's at once
+        n_colors = 1 if by_color else int(self._color_of[:, 0].max()) + 1
         return 8.0 * elements * (2 + n_colors)
 
 

@@ -12,9 +12,25 @@ import warnings
 import numpy as np
 
 from pymc_mcssvi.algorithms import kernel as kernel_module
+from pymc_mcssvi.algorithms.optimizers import make_optimizer
+from pymc_mcssvi.exceptions import UnsupportedModelError
 from pymc_mcssvi.recognize.analysis import effects_scaled_by_hypers
 
-__all__ = ["warn_collapsed_scales", "warn_split_crossed", "warn_uncoupled_hypers"]
+__all__ = [
+    "MAX_MEANFIELD_HYPERS",
+    "MAX_NEWTON_HYPERS",
+    "check_hyper_size",
+    "warn_collapsed_scales",
+    "warn_split_crossed",
+    "warn_uncoupled_hypers",
+]
+
+#: Most hyperparameter coordinates of a mean-field q(h): its sigma points are
+#: ``2 (n + 8)`` evaluations of the whole bound per iteration.
+MAX_MEANFIELD_HYPERS = 1000
+#: Most point-hyperparameter coordinates that take Newton steps (an ``n x n`` Hessian
+#: from ``n`` Hessian-vector products); more take Adam steps.
+MAX_NEWTON_HYPERS = 1000
 
 
 def warn_uncoupled_hypers(tlm, kernel):
@@ -105,3 +121,38 @@ def warn_collapsed_scales(model, tlm, kernel, state):
                 UserWarning,
                 stacklevel=3,
             )
+
+
+def check_hyper_size(tlm, hyper, hyper_opt, hyper_optimizer):
+    """The point hyperparameters' optimizer for this many coordinates, or an error for a
+    mean-field q(h) over more than :data:`MAX_MEANFIELD_HYPERS` of them.
+
+    Point estimates of more than :data:`MAX_NEWTON_HYPERS` coordinates (a topic
+    model's topics) take Adam steps instead of Newton's, with a warning; a mean-field
+    q(h) over that many would evaluate the bound ``2 (n + 8)`` times per iteration.
+    """
+    n = sum(h.size for h in tlm.hypers)
+    if not n:
+        return hyper_opt
+    largest = max(tlm.hypers, key=lambda h: h.size)
+    if hyper in (None, "meanfield") and n > MAX_MEANFIELD_HYPERS:
+        raise UnsupportedModelError(
+            largest.name,
+            f"the hyperparameters have {n} coordinates ({largest.name!r}: {largest.size}); "
+            f"a mean-field q over them takes {2 * (n + 8)} evaluations of the bound per "
+            "iteration",
+            "fit them as point estimates, pm.fit(method='hmcssvi', hyper='point') (with Adam "
+            "steps for this many coordinates), or give the variable a Normal prior so that "
+            "it joins the Gaussian q",
+        )
+    if hyper == "point" and hyper_optimizer == "newton" and n > MAX_NEWTON_HYPERS:
+        warnings.warn(
+            f"The point hyperparameters have {n} coordinates ({largest.name!r}: "
+            f"{largest.size}): they take Adam steps (learning rate 0.05) instead of Newton "
+            f"steps, whose Hessian would be {n} x {n}. Pass hyper_optimizer=('adam', lr) to "
+            "choose the rate.",
+            UserWarning,
+            stacklevel=4,
+        )
+        return make_optimizer(("adam", 0.05), 0.05)
+    return hyper_opt

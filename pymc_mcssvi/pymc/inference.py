@@ -58,6 +58,7 @@ from pymc_mcssvi.pymc.approximation import (
     StructuredGaussianGroup,
 )
 from pymc_mcssvi.pymc.fit_warnings import (
+    check_hyper_size,
     warn_collapsed_scales,
     warn_split_crossed,
     warn_uncoupled_hypers,
@@ -67,7 +68,8 @@ from pymc_mcssvi.pymc.locals import LocalGroup, initial_local_params
 from pymc_mcssvi.pymc.start import data_scaled_factors, initial_q
 from pymc_mcssvi.recognize.analysis import local_scale_hypers
 from pymc_mcssvi.recognize.ir import Segment
-from pymc_mcssvi.recognize.model import MIXED_BILINEAR, check_data, recognize
+from pymc_mcssvi.recognize.model import check_data, recognize
+from pymc_mcssvi.recognize.rules import MIXED_BILINEAR
 
 __all__ = ["HMCSSVI", "MCSSVI", "SDSVI", "StructuredVI"]
 
@@ -190,7 +192,7 @@ class StructuredVI(Inference):
         scales that trade variance. ``"gaussian"`` skips it.
     chunk_size : int, optional
         Observations per chunk. A likelihood whose per-iteration intermediates would
-        pass :data:`~pymc_mcssvi.algorithms.kernel.CHUNK_BYTES` (256 MB) is reduced
+        pass :data:`~pymc_mcssvi.algorithms.kernel.CHUNK_BYTES` (32 MB) is reduced
         chunk by chunk inside the compiled step (a scan), so that the step's memory
         stays a few chunks plus q whatever the number of observations (matrix
         factorizations of millions of ratings, the Monte Carlo path's draws). This
@@ -306,6 +308,7 @@ class StructuredVI(Inference):
             hyper_opt = (
                 None if hyper_optimizer == "newton" else make_optimizer(hyper_optimizer, 0.05)
             )
+            hyper_opt = check_hyper_size(self.tlm, hyper, hyper_opt, hyper_optimizer)
             q0 = initial_q(
                 self.model,
                 self.tlm,

@@ -27,6 +27,7 @@ __all__ = [
     "is_separable",
     "lift_gathers",
     "observed_data",
+    "checks_to_ninf",
     "remove_checks",
     "shape64",
     "static_shape",
@@ -60,6 +61,40 @@ def remove_checks(var: Variable) -> Variable:
     if not checks:
         return var
     return graph_replace(var, {v: v.owner.inputs[0] for v in checks}, strict=False)
+
+
+def checks_to_ninf(var: Variable) -> Variable:
+    """Turn PyMC's ``CheckParameterValue`` assertions into ``-inf`` where they fail.
+
+    What PyMC's own compiled functions do (``local_check_parameter_to_ninf_switch``),
+    done on the graph itself: a rewrite registered on a compilation mode does not
+    reach the inner graph of a scan (a chunked step), where a candidate q(h) with
+    a scale at 0 would otherwise raise ``ParameterValueError`` instead of being
+    rejected.
+
+    Examples
+    --------
+    >>> import numpy as np, pymc as pm, pytensor.tensor as pt
+    >>> s = pt.scalar("s")
+    >>> lp = checks_to_ninf(pm.logp(pm.Normal.dist(0.0, s), 1.0))
+    >>> lp.eval({s: -1.0}), bool(np.isfinite(lp.eval({s: 1.0})))
+    (array(-inf), True)
+    """
+    checks = [
+        v
+        for v in ancestors([var])
+        if v.owner is not None
+        and isinstance(v.owner.op, CheckParameterValue)
+        and v.owner.op.can_be_replaced_by_ninf
+    ]
+    if not checks:
+        return var
+    replace = {}
+    for v in checks:
+        value, *conds = v.owner.inputs
+        ok = conds[0] if len(conds) == 1 else pt.all(conds)
+        replace[v] = pt.cast(pt.switch(ok, value, -np.inf), v.dtype)
+    return graph_replace(var, replace, strict=False)
 
 
 #: Element-wise scalar ops that :func:`lift_gathers` does not move a gather below.

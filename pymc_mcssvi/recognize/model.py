@@ -20,7 +20,7 @@ from pymc.data import MinibatchOp
 from pymc.variational.minibatch_rv import MinibatchRandomVariable
 from pytensor.graph.basic import Constant
 from pytensor.graph.fg import MissingInputError
-from pytensor.graph.traversal import ancestors, graph_inputs, io_toposort
+from pytensor.graph.traversal import ancestors, graph_inputs
 from pytensor.tensor.random.op import RandomVariable
 from pytensor.tensor.sharedvar import TensorSharedVariable
 
@@ -48,40 +48,26 @@ from pymc_mcssvi.recognize.layout import (
     resolve_structure,
 )
 from pymc_mcssvi.recognize.likelihood import (
-    bilinear_term,
     check_gather_indices,
-    find_bilinear,
     flatten_terms,
-    form_name,
     likelihood_term,
-    pair_term,
 )
 from pymc_mcssvi.recognize.marginalize import marginal_logp
 from pymc_mcssvi.recognize.roles import (
     NON_GAUSSIAN_PRIORS,
     assign_roles,
-    base_op,
     dist_params,
     loc_and_others,
 )
+from pymc_mcssvi.recognize.rules import Globals, Observed, RecognizedTerms, classify
 from pymc_mcssvi.recognize.separable import hessian_colors, separable_rows
 from pymc_mcssvi.recognize.series import series_residuals
-from pymc_mcssvi.recognize.whiten import whitened_mvnormal
 from pymc_mcssvi.recognize.zerosum import zerosum_as_linear
 
-__all__ = ["MAX_GENERAL_DIM", "check_data", "recognize"]
+__all__ = ["MAX_GENERAL_DIM", "check_data", "general_reads", "recognize"]
 
 #: Largest Gaussian dimension the Monte Carlo + autodiff path accepts (it forms D x D Hessians).
 MAX_GENERAL_DIM = 2000
-
-
-#: ``describe``'s form (and the general term's reason) of a bilinear product with
-#: other terms of the globals next to it.
-MIXED_BILINEAR = "general (bilinear + other terms)"
-#: ``describe``'s form of a likelihood with two affine predictors (:class:`PairTerm`).
-PAIR_FORM = "two affine predictors"
-#: ``describe``'s form of a bilinear product plus terms affine in other globals.
-BILINEAR_PLUS = "bilinear + affine"
 
 
 def recognize(
@@ -144,9 +130,7 @@ def _recognize(model, cov, bound, inner, n_inner) -> TwoLevelModel:
     local_of = {lc.observed: lc for lc in roles.locals}
 
     predictor_terms: list[PredictorTerm] = []
-    general_terms: list[GeneralTerm] = []
     constant_terms: list[ConstantTerm] = []
-    forms: dict[str, str] = {}
     scaling: dict[str, str] = {}
     notes: list[str] = []
 
@@ -162,12 +146,9 @@ def _recognize(model, cov, bound, inner, n_inner) -> TwoLevelModel:
             constant_terms.append(ConstantTerm(f"prior of {h.name}", remove_checks(pt.sum(lp))))
 
     minibatch = False
-    bilinear_sources: set[int] = set()
-    by_column: set[int] = set()  # factors stored (K, rows): blocks are columns
-    bilinear_terms = []
-    pair_terms = []
+    found = RecognizedTerms(predictor=predictor_terms, constant=constant_terms)
+    seen = Globals(model, gvalues, gshapes, point)
     for obs in model.observed_RVs:
-        op, _ = base_op(obs)
         scaling[obs.name] = _scaling(model, obs)
         if isinstance(obs.owner.op, MinibatchRandomVariable):
             minibatch = True
@@ -180,67 +161,18 @@ def _recognize(model, cov, bound, inner, n_inner) -> TwoLevelModel:
                 UserWarning,
                 stacklevel=2,
             )
-        multivariate = getattr(op, "ndim_supp", 0) > 0
-        suffix = ""
-        if obs.name in local_of:
-            lc = local_of[obs.name]
+        lc = local_of.get(obs.name)
+        if lc is not None:
             logp = marginal_logp(
                 model, lc, bound=bound, inner=inner, n_inner=n_inner, fixed=list(gvalues)
-            )
-            suffix = (
-                f", through local {lc.name!r}"
-                if lc.kind == "gaussian"
-                else f", with discrete local {lc.name!r}"
             )
             if lc.kind == "gaussian" and inner == "quadrature":
                 _check_marginal_finite(logp, lc, obs, point)
         else:
             logp = roles.observed_logps[obs]
-        if not depends_on_any(logp, gvalues):
-            constant_terms.append(ConstantTerm(obs.name, logp))
-            forms[obs.name] = "constant (no Gaussian global)" + suffix
-            continue
-        check_gather_indices(obs.name, logp, gvalues)
-        white = None
-        if multivariate and obs.name not in local_of and scaling[obs.name] == "1":
-            white = whitened_mvnormal(model, obs, gvalues)
-        if white is not None:
-            term = likelihood_term(obs.name, white[0], gvalues, gshapes, point)
-            if term is not None:
-                predictor_terms.append(term)
-                constant_terms.append(ConstantTerm(f"normalizer of {obs.name}", white[1]))
-                forms[obs.name] = form_name(term) + " (MvNormal, whitened)" + suffix
-                continue
-        if multivariate:
-            # not elementwise in a predictor: its log density over the support (a
-            # Multinomial's counts, an MvNormal outcome) by Monte Carlo + autodiff
-            forms[obs.name] = f"general ({type(op).__name__}: multivariate)" + suffix
-        else:
-            term = likelihood_term(obs.name, logp, gvalues, gshapes, point)
-            if term is not None:
-                predictor_terms.append(term)
-                forms[obs.name] = form_name(term) + suffix
-                continue
-            pair = None if obs.name in local_of else pair_term(obs.name, logp, gvalues, gshapes)
-            if pair is not None:
-                pair_terms.append(pair)
-                forms[obs.name] = PAIR_FORM + suffix
-                continue
-            bil = bilinear_term(obs.name, logp, gvalues, gshapes, point)
-            if bil is not None:
-                bilinear_terms.append(bil)
-                bilinear_sources.update({bil.left, bil.right})
-                by_column.update(bil.transposed)
-                forms[obs.name] = ("bilinear" if bil.affine is None else BILINEAR_PLUS) + suffix
-                continue
-            found = find_bilinear(logp, gvalues, gshapes)
-            # A product with other terms of the globals (row/column biases, an intercept)
-            # is not the bilinear estimator's form: Monte Carlo + autodiff over all of them.
-            forms[obs.name] = (MIXED_BILINEAR if found is not None else "general") + suffix
-            if found is not None:
-                bilinear_sources.update(found[1].sources | found[2].sources)
-        _warn_scan_in_general_term(obs.name, logp, gvalues)
-        general_terms.append(GeneralTerm(obs.name, logp, forms[obs.name]))
+        found.add(obs.name, classify(Observed(obs, logp, lc, scaling[obs.name]), seen))
+    general_terms, bilinear_terms, pair_terms = found.general, found.bilinear, found.pair
+    forms, bilinear_sources, by_column = found.forms, found.row_sources, found.by_column
 
     for pot in model.potentials:
         lp = remove_checks(model.replace_rvs_by_values([pot])[0])
@@ -306,7 +238,8 @@ def _check_general_dim(tlm, point):
     """Record the Gaussian globals whose rows the general terms never couple, and refuse
     Hessians of more than :data:`MAX_GENERAL_DIM` directions."""
     tlm.general_rows = separable_rows(tlm.gaussians, tlm.general_terms, tlm.model, point)
-    size = int(hessian_colors(tlm.gaussians, tlm.general_rows)[:, 0].max()) + 1
+    read = general_reads(tlm)
+    size = int(hessian_colors(tlm.gaussians, tlm.general_rows, read)[:, 0].max()) + 1
     if size > MAX_GENERAL_DIM:
         names = ", ".join(t.name for t in tlm.general_terms)
         raise UnsupportedModelError(
@@ -319,26 +252,13 @@ def _check_general_dim(tlm, point):
         )
 
 
-def _warn_scan_in_general_term(name, logp, gvalues):
-    """Warn when a Monte Carlo + autodiff term runs a ``pytensor.scan`` over the Gaussian
-    globals: its derivatives, batched over draws and sigma points, loop in Python (an
-    AR(1) trend of 4 x 30 points written with ``scan``: 122 s for two iterations, where
-    NUTS took 20 s for the whole fit)."""
-    for node in io_toposort(list(graph_inputs([logp])), [logp]):
-        if type(node.op).__name__ == "Scan" and any(
-            depends_on_any(x, gvalues) for x in node.inputs
-        ):
-            warnings.warn(
-                f"The likelihood {name!r} runs a pytensor.scan over the Gaussian globals: the "
-                "Monte Carlo + autodiff path evaluates its derivatives in Python, draw by draw, "
-                "which can take many minutes. Write the recursion as a linear map where it is "
-                "one (a random walk is pt.cumsum of the innovations; an AR(1) with a known "
-                "coefficient is a triangular matrix of its powers times them), or fit this "
-                "model with pm.sample().",
-                UserWarning,
-                stacklevel=3,
-            )
-            return
+def general_reads(tlm) -> set[int]:
+    """Ids of the Gaussian globals the general terms read."""
+    return {
+        i
+        for i, g in enumerate(tlm.gaussians)
+        if any(depends_on_any(t.logp, [g.value]) for t in tlm.general_terms)
+    }
 
 
 def _check_observed_shapes(model):

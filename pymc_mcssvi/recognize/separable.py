@@ -150,17 +150,33 @@ def read_flat(total, w, gaussians, fixed=None):
     return graph_replace(total, {**repl, **(fixed or {})}, strict=False)
 
 
-def hessian_colors(gaussians, rows) -> np.ndarray:
+def hessian_colors(gaussians, rows, read=None) -> np.ndarray:
     """Per flat coordinate ``(color, row)``: the Hessian-vector product (color) whose
     direction holds that coordinate, and its row in a row-separable global (``-1``
     for the others, which have a color of their own). ``rows`` are the ids of the
     row-separable globals (:func:`separable_rows`); the number of colors is the
-    number of products the Hessian takes."""
+    number of products the Hessian takes. ``read`` (ids of the globals the terms
+    read; default all) leaves the others one color for all of them: their products
+    are zero.
+
+    Examples
+    --------
+    >>> from types import SimpleNamespace as G
+    >>> gs = [G(size=4, shape=(2, 2)), G(size=3, shape=(3,))]
+    >>> hessian_colors(gs, rows=(0,))[:, 0].tolist()
+    [0, 1, 0, 1, 2, 3, 4]
+    >>> hessian_colors(gs, rows=(0,), read={0})[:, 0].tolist()
+    [0, 1, 0, 1, 2, 2, 2]
+    """
     offsets = flat_offsets(gaussians)
     color_of = np.zeros((int(offsets[-1]), 2), dtype="int64")
     n = 0
+    unread = []
     for i, g in enumerate(gaussians):
         pos = offsets[i] + np.arange(g.size)
+        if read is not None and i not in read:
+            unread.append(pos)
+            continue
         if i in rows:
             R = g.shape[0]
             per_row = pos.reshape(R, -1)  # coordinate k of every row: one color
@@ -170,4 +186,7 @@ def hessian_colors(gaussians, rows) -> np.ndarray:
         else:
             color_of[pos] = np.column_stack([n + np.arange(g.size), np.full(g.size, -1)])
             n += g.size
+    if unread:
+        pos = np.concatenate(unread)
+        color_of[pos] = np.column_stack([np.full(pos.size, n), np.full(pos.size, -1)])
     return color_of

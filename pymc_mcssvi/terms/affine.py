@@ -123,7 +123,7 @@ class AffineTerm(Term):
             self.term, mu, pt.maximum(var, 0.0), self.estimator, self.n_points
         )[2]
 
-    def bytes_per_observation(self) -> float:
+    def bytes_per_observation(self, scans: bool = True) -> float:
         """Per predictor entry: the quadrature's values at its nodes (a few graphs'
         worth) and the design rows."""
         per_node = 0 if self.term.gaussian else 12 * self.n_points

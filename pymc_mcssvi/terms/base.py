@@ -53,6 +53,12 @@ class EvalOptions(NamedTuple):
         observations the evaluation takes.
     by_node : bool
         One-dimensional quadratures a node at a time (a JAX step).
+    scans : bool
+        Whether a term may build scans of its own (one product at a time), as in a
+        chunked step whose graph is not batched over q(h)'s sigma points or Rayleigh
+        nodes afterwards (a batched scan runs element by element, or not at all on JAX).
+    scan_mode : Mode or None
+        Compile mode of those scans (the backend's).
     n_phases : int
         Phases of the step (2 with a matrix factorization): every term's
         ``phase_values`` has this length.
@@ -65,6 +71,8 @@ class EvalOptions(NamedTuple):
     step: Any = None
     by_node: bool = False
     n_phases: int = 1
+    scans: bool = False
+    scan_mode: Any = None
 
 
 class Chunk(NamedTuple):
@@ -135,8 +143,9 @@ class Term:
         """Rough floating-point operations of one evaluation (backend choice)."""
         return 0.0
 
-    def bytes_per_observation(self) -> float:
-        """Rough bytes of intermediates per observation of one evaluation (chunk size)."""
+    def bytes_per_observation(self, scans: bool = True) -> float:
+        """Rough bytes of intermediates per observation of one evaluation (chunk size);
+        ``scans``: whether the term may take its own products one at a time."""
         return 0.0
 
     def describe(self) -> str:

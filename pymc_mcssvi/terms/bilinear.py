@@ -56,7 +56,7 @@ class BilinearTerms(Term):
         phase_values = (add_to(phases[0], T_v), add_to(phases[1], T_u))
         return TermStats(stats.value, grads, hessians, stats.crosses, phase_values)
 
-    def bytes_per_observation(self) -> float:
+    def bytes_per_observation(self, scans: bool = True) -> float:
         """Per observation: the ``K x K`` product shared by both sides, each side's
         quadrature at its points and its ``K x K`` Hessian contribution."""
         est = self.estimator

@@ -29,7 +29,12 @@ class MonteCarloTerm(Term):
 
     def accumulate(self, q: QView, stats: TermStats, opts: EvalOptions, chunk=None) -> TermStats:
         T, g, H = self.estimator.expectations(
-            q.states, q.parameterization, opts.need_hessian, draws=chunk
+            q.states,
+            q.parameterization,
+            opts.need_hessian,
+            draws=chunk,
+            by_color=opts.scans,
+            scan_mode=opts.scan_mode,
         )
         value = add_to(stats.value, T)
         grads, hessians = list(stats.grads), list(stats.hessians)
@@ -38,5 +43,5 @@ class MonteCarloTerm(Term):
             hessians = [add_to(a, b) for a, b in zip(hessians, H, strict=True)]
         return TermStats(value, grads, hessians, stats.crosses, stats.phase_values)
 
-    def bytes_per_observation(self) -> float:
-        return self.estimator.bytes_per_draw()
+    def bytes_per_observation(self, scans: bool = True) -> float:
+        return self.estimator.bytes_per_draw(by_color=scans)

@@ -99,6 +99,6 @@ class TwoPredictorTerm(Term):
                 crosses = geom.accumulate_cross(b, head, crosses, d)
         return TermStats(value, grads, hessians, crosses, stats.phase_values)
 
-    def bytes_per_observation(self) -> float:
+    def bytes_per_observation(self, scans: bool = True) -> float:
         """Six graphs at ``PAIR_POINTS ** 2`` nodes per entry."""
         return 8.0 * (6 * PAIR_POINTS**2 + 32)

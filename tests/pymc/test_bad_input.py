@@ -397,3 +397,28 @@ def test_predictors_set_to_a_new_length_without_the_observed_data_are_named():
             pm.fit(method="hmcssvi", progressbar=False)
         pm.set_data({"x": x[:50], "y_obs": y[:50]})
         pm.fit(n=2, method="hmcssvi", progressbar=False)
+
+
+def test_thousands_of_hyperparameter_coordinates():
+    """Two topics over 602 words (a correlated topic model's Dirichlet topics, 1,202
+    coordinates): a mean-field q(h) over them is refused with the remedy; as point
+    estimates they take Adam steps (no 1202 x 1202 Hessian is kept), with a warning,
+    and the bound improves."""
+    from pymc_mcssvi.pymc.fit_warnings import MAX_MEANFIELD_HYPERS
+
+    rng = np.random.default_rng(0)
+    D, V, K = 4, 602, 2
+    assert K * (V - 1) > MAX_MEANFIELD_HYPERS
+    topics = rng.dirichlet(np.full(V, 0.5), size=K)
+    counts = np.stack([rng.multinomial(300, rng.dirichlet([1.0, 1.0]) @ topics) for _ in range(D)])
+    with pm.Model():
+        beta = pm.Dirichlet("beta", a=np.full(V, 0.5), shape=(K, V))
+        eta = pm.Normal("eta", 0.0, 1.0, shape=(D, K))
+        pm.Multinomial("w", n=300, p=pm.math.softmax(eta, axis=-1) @ beta, observed=counts)
+        with pytest.raises(UnsupportedModelError, match="'beta'.*hyper='point'"):
+            pm.fit(method="hmcssvi", n=1, progressbar=False)
+        with pytest.warns(UserWarning, match="Adam steps"):
+            inference = pymc_mcssvi.HMCSSVI(hyper="point")
+        assert inference.store.get().hyper.hess.shape == (0, 0)
+        approx = inference.fit(n=4, progressbar=False)
+    assert np.all(np.isfinite(approx.hist)) and approx.hist[-1] < approx.hist[0]

@@ -75,9 +75,13 @@ MODELS = {
     "monte carlo draws": (_decay, {"n_draws": 16}),
     "marginalized local": (_gaussian_local, {}),
 }
+#: The slow ones (a local's inner quadrature per chunk) run with ``make test-slow``.
+SLOW = {"marginalized local"}
 
 
-@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in MODELS]
+)
 def test_chunked_fit_is_the_whole_fit(name):
     build, kw = MODELS[name]
     fits = []

@@ -142,8 +142,7 @@ class StructuredVI(Inference):
         Matrix factorization: draws of the other factor per observation (the
         paper's ``k1``), or ``"sigma"`` (default) for its ``2K`` sigma points
         (exact second moments). A few fixed draws are cheaper per iteration but
-        bias the bound the fit optimizes (measured on InstEval binary: held-out
-        NLL 0.749 with 4 draws, 0.643 with sigma points).
+        bias the bound the fit optimizes.
     row_subsample : int, optional
         Matrix factorization: in each iteration every row of the factor being
         updated uses at most this many of its observations, weighted by
@@ -164,17 +163,14 @@ class StructuredVI(Inference):
         :func:`~pymc_mcssvi.algorithms.hyperparameters.joint_newton_step`), and
         the Gaussian globals' draws follow the hyperparameters' draws through
         ``dm_w/dh = P_w^{-1} E[d g_w / d h]`` (linear response, Giordano,
-        Broderick and Jordan 2015). The fit and its bound are unchanged. Measured
-        against NUTS on three GLMMs (docs/benchmarks.md), the scales' posterior
-        sds go from 0.09-0.54 of NUTS's to 0.93-1.35. Applies when the
-        hyperparameter step is coupled (MC-SSVI and H-MC-SSVI in full batch).
-        Off by default when a hyperparameter holds one scale per coefficient
-        (local shrinkage: a horseshoe's ``lam``, an R2D2 prior's ``phi``;
-        :func:`~pymc_mcssvi.recognize.analysis.local_scale_hypers`): the linearization of ``m_w(h)`` is then
-        extrapolated far over a wide q(h). On a regularized horseshoe (20
-        coefficients) the coefficients came out up to 6.5 NUTS sds off with
-        sds up to 10.7x NUTS's; without it within 0.24 sd, sds 1.05-1.44x (an
-        R2D2 regression: 1.6 sds off, within 0.22 without).
+        Broderick and Jordan 2015). The fit and its bound are unchanged; the
+        scales' posterior sds come much closer to NUTS's (docs/benchmarks.md,
+        "Options of pm.fit"). Applies when the hyperparameter step is coupled
+        (MC-SSVI and H-MC-SSVI in full batch). Off by default when a
+        hyperparameter holds one scale per coefficient (local shrinkage: a
+        horseshoe's ``lam``, an R2D2 prior's ``phi``;
+        :func:`~pymc_mcssvi.recognize.analysis.local_scale_hypers`), where the
+        linearization of ``m_w(h)`` would be extrapolated far over a wide q(h).
     hyper_marginal : {"profile", "gaussian"}
         With the linear-response view and at most 8 hyperparameter
         coordinates (:data:`~pymc_mcssvi.posterior.marginal.MAX_CORRECTED_HYPERS`),
@@ -182,10 +178,9 @@ class StructuredVI(Inference):
         skewed one after the fit: the bound with q(w) re-fitted is evaluated
         along each principal axis of q(h) (INLA-style, 33 points for 4
         coordinates after ``n (n + 1)`` for its curvature; one compiled
-        function), and its 1-D profiles become the axes' marginals (:mod:`pymc_mcssvi.posterior.marginal`). Group-level
-        scales are skewed in log space, and the Gaussian put their posterior
-        means 25-32% above NUTS's on the centered GLMM benchmarks. Kept
-        Gaussian where the profile disagrees with the linear response's
+        function), and its 1-D profiles become the axes' marginals
+        (:mod:`pymc_mcssvi.posterior.marginal`): group-level scales are skewed in
+        log space, which a Gaussian misses. Kept Gaussian where the profile disagrees with the linear response's
         curvature. With one or two coordinates the profile is evaluated on a
         grid grown from the centre instead (:mod:`pymc_mcssvi.posterior.profile_grid`),
         which follows a scale's long tail towards 0 and the ridge of two

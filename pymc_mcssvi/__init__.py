@@ -16,6 +16,7 @@ from pymc_mcssvi.distributions import Rayleigh
 from pymc_mcssvi.exceptions import DivergenceError, UnsupportedModelError
 from pymc_mcssvi.pymc.approximation import StructuredApproximation
 from pymc_mcssvi.pymc.inference import HMCSSVI, MCSSVI, SDSVI, StructuredVI
+from pymc_mcssvi.pymc.load import load
 from pymc_mcssvi.pymc.registration import register as _register
 from pymc_mcssvi.recognize.describe import ModelDescription, describe
 
@@ -30,6 +31,7 @@ __all__ = [
     "StructuredVI",
     "UnsupportedModelError",
     "describe",
+    "load",
     "models",
 ]
 

@@ -10,8 +10,10 @@ on the samples, ``approx.mean`` / ``std`` / ``cov`` and callbacks.
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import NamedTuple
 
+import cloudpickle
 import numpy as np
 import pytensor.tensor as pt
 from pymc.variational.opvi import Approximation, Group, node_property
@@ -26,6 +28,7 @@ from pymc_mcssvi.backend.modes import graph_building
 from pymc_mcssvi.families.gaussian import GaussianBlocks, covariance, sample
 from pymc_mcssvi.posterior.marginal import grid_interpolation, node_interpolation, table_transform
 from pymc_mcssvi.posterior.profile_grid import conditional_transform
+from pymc_mcssvi.pymc import persist
 
 __all__ = [
     "ConditionalView",
@@ -497,6 +500,10 @@ class RayleighGroup(Group):
         return pt.diag(self.std**2)
 
 
+#: Whether this thread is inside :meth:`StructuredApproximation.__reduce_ex__`.
+_PICKLING = threading.local()
+
+
 class StructuredApproximation(Approximation):
     """The result of an MC-SSVI / H-MC-SSVI / S-DSVI fit.
 
@@ -531,6 +538,61 @@ class StructuredApproximation(Approximation):
         self.fitted_data_values: dict = {}
         #: The model's coordinate values at the end of the fit (restored while sampling).
         self.fitted_coords: dict = {}
+        #: The inference that fitted it (what :meth:`save` writes; not pickled).
+        self.inference = None
+
+    def save(self, path) -> None:
+        """Write the fit to ``path`` (netCDF): q's parameters, the hyperparameters'
+        state, the history, the inference's options and a fingerprint of the model.
+
+        :func:`pymc_mcssvi.load` reads it back as a working approximation, and
+        ``pm.fit(method=..., start=path)`` resumes the fit from it: the resumed
+        fit's history continues this one's, with the same numbers as a fit that
+        was never interrupted (full batch; a ``pm.Minibatch`` fit's batches are
+        drawn afresh).
+
+        Examples
+        --------
+        >>> import os, tempfile, numpy as np, pymc as pm, pymc_mcssvi
+        >>> X = np.random.default_rng(0).normal(size=(100, 2))
+        >>> y = np.random.default_rng(1).poisson(np.exp(X @ [0.5, -0.3]))
+        >>> with pm.Model() as model:
+        ...     w = pm.Normal("w", 0, 1, shape=2)
+        ...     _ = pm.Poisson("y", mu=pm.math.exp(X @ w), observed=y)
+        ...     approx = pm.fit(method="hmcssvi", progressbar=False)
+        >>> path = os.path.join(tempfile.mkdtemp(), "fit.nc")
+        >>> approx.save(path)
+        >>> loaded = pymc_mcssvi.load(path, model)
+        >>> bool(np.allclose(loaded.mean.eval(), approx.mean.eval(), rtol=0, atol=1e-12))
+        True
+        """
+        if self.inference is None:
+            raise ValueError(
+                "this approximation has no fit to save (it was unpickled or built by hand): "
+                "save the approximation that pm.fit returned"
+            )
+        persist.write(persist.snapshot(self.inference), path)
+
+    def __getstate__(self):
+        # the inference (compiled functions) is left out: save() and pymc_mcssvi.load()
+        # keep a fit that can go on
+        return {k: v for k, v in self.__dict__.items() if k != "inference"}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self.inference = None
+
+    def __reduce_ex__(self, protocol):
+        # A PyMC model (which the groups hold) pickles with cloudpickle only: the
+        # standard pickle is handed the approximation as cloudpickle's bytes
+        if getattr(_PICKLING, "inside", False):
+            return super().__reduce_ex__(protocol)
+        _PICKLING.inside = True
+        try:
+            payload = cloudpickle.dumps(self, protocol=protocol)
+        finally:
+            _PICKLING.inside = False
+        return (cloudpickle.loads, (payload,))
 
     @property
     def ordering(self):

@@ -37,6 +37,7 @@ __all__ = [
     "converged_full_batch",
     "converged_stochastic",
     "run",
+    "start_not_finite",
 ]
 
 logger = logging.getLogger("pymc_mcssvi")
@@ -93,6 +94,22 @@ def converged_stochastic(scores, tol, locations=None) -> bool:
     return float(np.sqrt(np.mean(((m1 - m0) / sd1) ** 2))) <= STOCHASTIC_MEAN_TOL
 
 
+def start_not_finite(model, cand_bound, approx, iteration, tried: str = "") -> DivergenceError:
+    """The error of a fit whose bound was never finite: where the observed variables'
+    log densities are not finite at the initial point (data outside the likelihood's
+    support, e.g. a negative count), and what to check."""
+    return DivergenceError(
+        "The ELBO or its derivatives are not finite at the starting point (ELBO "
+        f"{cand_bound}),{tried}. "
+        f"{start_diagnosis(model)}Check the observed data against the likelihood's "
+        "support, the `start` values, and expressions whose derivatives are not "
+        "finite where q puts mass (x ** 0 at x = 0, sqrt(x) at 0); a smaller "
+        "`start_sigma` can help.",
+        approx=approx,
+        iteration=iteration,
+    )
+
+
 class Rejections:
     """Counts rejected candidates, restarts a start whose bound is not finite and
     declares divergence.
@@ -147,15 +164,12 @@ class Rejections:
         self.store.set(self.kernel.reset_candidate(self.store.get()))
         self.count = 0
         if not np.isfinite(base):
-            raise DivergenceError(
-                "The ELBO or its derivatives are not finite at the starting point (ELBO "
-                f"{cand_bound}), nor with a narrower q or at jittered starts. "
-                f"{start_diagnosis(self.model)}Check the observed data against the likelihood's "
-                "support, the `start` values, and expressions whose derivatives are not "
-                "finite where q puts mass (x ** 0 at x = 0, sqrt(x) at 0); a smaller "
-                "`start_sigma` can help.",
-                approx=approx,
-                iteration=iteration,
+            raise start_not_finite(
+                self.model,
+                cand_bound,
+                approx,
+                iteration,
+                " nor with a narrower q or at jittered starts",
             )
         raise DivergenceError(
             f"The fit diverged at iteration {iteration}: {MAX_REJECTIONS} consecutive steps gave a "

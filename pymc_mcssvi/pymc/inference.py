@@ -229,6 +229,9 @@ class StructuredVI(Inference):
         hyper_marginal="profile",
         chunk_size=None,
     ):
+        #: The constructor's options (what :func:`~pymc_mcssvi.pymc.persist.save` records
+        #: to build the same inference again).
+        self.options = {k: v for k, v in locals().items() if k not in ("self", "model")}
         self.model = pm.modelcontext(model)
         self.linear_response = True if linear_response is None else bool(linear_response)
         if hyper_marginal not in ("profile", "gaussian"):
@@ -242,6 +245,7 @@ class StructuredVI(Inference):
         self._n_inner = int(n_inner)
         self.hist = np.asarray(())
         self.state = None
+        self.fitted_state = None
         self._step_fns = {}  # compiled steps, by (backend, compile_kwargs)
         self._work = {}  # work_estimate(), by linear_algebra
         self.backend_used = None
@@ -767,10 +771,18 @@ class StructuredVI(Inference):
         self.approx.n_iter = len(self.hist)
         if result.error is not None:
             raise result.error
+        if result.iterations and not np.isfinite(float(self.store.symbolic.bound.get_value())):
+            # ``n`` ran out before the start could be narrowed and jittered to the end: no
+            # step was ever accepted, and the approximation is the start
+            raise fit_loop.start_not_finite(
+                self.model,
+                -scores[-1] if len(scores) else np.nan,
+                self.approx,
+                len(self.hist),
+                f" after {result.iterations} iterations",
+            )
         auto_stop = n is None
         self.approx.converged = result.converged if auto_stop else None
-        for group in self.approx.groups:
-            group.include_transformed = include_transformed
         if auto_stop:
             msg = "converged" if result.converged else "stopped at max_iter without converging"
             logger.info(
@@ -781,6 +793,18 @@ class StructuredVI(Inference):
         if self._averaged:
             self._use_average()
         warn_collapsed_scales(self.model, self.tlm, self.kernel, self.store.get())
+        return self.finish(include_transformed, blas_threads)
+
+    def finish(self, include_transformed=False, blas_threads=None):
+        """The approximation of the current state: the work after the iterations (q(h)
+        from the profile of the bound, the locals' and leaves' posteriors). Called at the
+        end of :meth:`fit`, and by :func:`~pymc_mcssvi.pymc.persist.load` on a restored
+        state."""
+        for group in self.approx.groups:
+            group.include_transformed = include_transformed
+        #: The state the iterations left, before the post-fit work below writes q(h)'s
+        #: precision into it (what :func:`~pymc_mcssvi.pymc.persist.snapshot` saves).
+        self.fitted_state = self.store.get()
         # the re-fits after the loop are small linear algebra too (see ``_blas_limits``)
         conditional_globals = None
         with self._blas_limits(blas_threads):
@@ -790,6 +814,7 @@ class StructuredVI(Inference):
                 if self._view is not None:
                     conditional_globals = self._posterior.conditional_globals()
         self._conditional_samplers(conditional_globals)
+        self.approx.inference = self
         return self.approx
 
     def _conditional_samplers(self, conditional_globals):

@@ -17,6 +17,7 @@ import pymc.variational as pmv
 import pymc.variational.inference as pmvi
 
 from pymc_mcssvi.pymc.inference import HMCSSVI, MCSSVI, SDSVI, StructuredVI
+from pymc_mcssvi.pymc.load import is_saved_fit, resumed_inference
 
 __all__ = ["METHODS", "fit", "register"]
 
@@ -58,12 +59,15 @@ def fit(
                 inf_kwargs[key] = kwargs.pop(key)
             if random_seed is not None:
                 inf_kwargs["random_seed"] = random_seed
-            if start is not None:
-                inf_kwargs["start"] = start
             if start_sigma is not None:
                 inf_kwargs["start_sigma"] = start_sigma
             model = pm.modelcontext(model)
-            inference = METHODS[name](model=model, **inf_kwargs)
+            if is_saved_fit(start):  # resume a saved fit (a path) or a fitted approximation
+                inference = resumed_inference(start, model, method=name, **inf_kwargs)
+            else:
+                if start is not None:
+                    inf_kwargs["start"] = start
+                inference = METHODS[name](model=model, **inf_kwargs)
         return inference.fit(n, **kwargs)
     if isinstance(method, type) and issubclass(method, StructuredVI):
         raise TypeError(

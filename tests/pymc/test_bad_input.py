@@ -422,3 +422,20 @@ def test_thousands_of_hyperparameter_coordinates():
         assert inference.store.get().hyper.hess.shape == (0, 0)
         approx = inference.fit(n=4, progressbar=False)
     assert np.all(np.isfinite(approx.hist)) and approx.hist[-1] < approx.hist[0]
+
+
+@pytest.mark.parametrize("n", [5, 20])
+def test_a_fit_whose_bound_was_never_finite_raises_when_n_runs_out(n):
+    """A negative Poisson count with an explicit ``n``: the fit used to end after ``n``
+    iterations and return the start as its approximation, with an infinite -ELBO in
+    ``hist`` and no error, because the start's narrowing and jittering had not run
+    out. Now the same error as without ``n`` names the variable and the entry."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=40)
+    y = rng.poisson(np.exp(0.3 * x))
+    y[7] = -1
+    with pm.Model():
+        b = pm.Normal("b", 0, 1)
+        pm.Poisson("y", pm.math.exp(b * x), observed=y)
+        with pytest.raises(DivergenceError, match=rf"after {n} iterations.*'y'.*entries 7 \(-1\)"):
+            pm.fit(n=n, method="hmcssvi", progressbar=False)

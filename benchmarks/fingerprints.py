@@ -178,10 +178,13 @@ def main():
             t = time.time()
             n = kw.pop("n", None)
             with m:
+                n = n if n else (300 if name in ("minibatch", "pmf_ord_sub") else None)
                 approx = pm.fit(
-                    n=n if n else (300 if name in ("minibatch", "pmf_ord_sub") else None),
+                    n=n,
                     method=alg,
                     progressbar=False,
+                    # a given n: exactly n iterations (n is otherwise a cap)
+                    **({"tol": None} if n else {}),
                     **kw,
                 )
                 dt = time.time() - t

@@ -15,6 +15,7 @@ import contextlib
 import functools
 import logging
 import time
+import warnings
 
 import numpy as np
 import pymc as pm
@@ -667,7 +668,7 @@ class StructuredVI(Inference):
         progressbar=True,
         progressbar_theme=default_progress_theme,
         *,
-        tol=None,
+        tol="auto",
         max_iter=10_000,
         backend=None,
         include_transformed=False,
@@ -680,16 +681,20 @@ class StructuredVI(Inference):
         Parameters
         ----------
         n : int, optional
-            Number of iterations. ``None`` runs until the bound has converged
-            (see ``tol``), at most ``max_iter`` iterations.
+            The most iterations: the fit stops earlier when the bound has
+            converged (see ``tol``), and warns when it stops at ``n`` without
+            converging. ``None`` caps at ``max_iter``. With ``tol=None`` exactly
+            ``n`` iterations run (PyMC's ADVI habit; ``approx.converged`` is then
+            ``None``).
         callbacks : list of callable, optional
             Called as ``callback(approx, losses, i)`` after each iteration, as in
             PyMC; raising ``StopIteration`` ends the fit.
         progressbar : bool
-        tol : float, optional
-            Relative change of the bound that counts as converged (default
+        tol : float, "auto" or None
+            Relative change of the bound that counts as converged (``"auto"``:
             ``1e-7`` for full-batch fits, ``1e-3`` between windowed averages for
-            minibatch fits).
+            minibatch fits). ``None`` turns the stopping rule off: ``n``
+            iterations run.
         max_iter : int
             Cap on the number of iterations when ``n`` is None.
         backend : {"numba", "c", "jax", "python"}, optional
@@ -737,8 +742,13 @@ class StructuredVI(Inference):
                 step.upgrade()
             step.compile()  # before the loop, as for the other backends
         total = int(n) if n is not None else int(max_iter)
-        if tol is None:
+        if isinstance(tol, str) and tol == "auto":
             tol = 1e-3 if self.stochastic else 1e-7
+        elif tol is not None and not (isinstance(tol, int | float) and tol > 0):
+            raise ValueError(f"tol must be a positive number, 'auto' or None, got {tol!r}")
+        if n is None and tol is None:
+            raise ValueError("tol=None runs exactly n iterations: pass n as well")
+        auto_stop = tol is not None
         start_iter = len(self.hist)
         with (
             self._blas_limits(blas_threads),
@@ -749,7 +759,7 @@ class StructuredVI(Inference):
             result = fit_loop.run(
                 step,
                 total=total,
-                auto_stop=n is None,
+                auto_stop=auto_stop,
                 stop_rule=functools.partial(self._converged, tol=tol),
                 current_bound=self.store.symbolic.bound.get_value,
                 after_step=self._after_step,
@@ -781,14 +791,24 @@ class StructuredVI(Inference):
                 len(self.hist),
                 f" after {result.iterations} iterations",
             )
-        auto_stop = n is None
         self.approx.converged = result.converged if auto_stop else None
         if auto_stop:
-            msg = "converged" if result.converged else "stopped at max_iter without converging"
+            msg = "converged" if result.converged else "stopped without converging"
             logger.info(
                 f"{type(self).__name__}: {msg} after {result.iterations} iterations, "
                 f"-ELBO = {scores[-1] if len(scores) else np.nan:,.6g}"
             )
+            if not result.converged and result.iterations == total:
+                cap = f"n={total}" if n is not None else f"max_iter={total}"
+                warnings.warn(
+                    f"The fit stopped at {cap} iterations without converging (-ELBO "
+                    f"{scores[-1] if len(scores) else np.nan:,.6g}); approx.converged is False. "
+                    f"Go on with pm.fit(method={type(self).__name__.lower()!r}, start=approx) "
+                    "or inference.refine(n), or raise the cap; tol=None runs exactly n "
+                    "iterations without this check.",
+                    UserWarning,
+                    stacklevel=3,
+                )
         self.state = result.iterations
         if self._averaged:
             self._use_average()
@@ -863,8 +883,8 @@ class StructuredVI(Inference):
             self.approx.predictive_leaves = [leaf.name for leaf in self.tlm.leaves]
 
     def refine(self, n, progressbar=True, progressbar_theme=default_progress_theme):
-        """Continue a fit for ``n`` more iterations."""
-        return self.fit(n, progressbar=progressbar, progressbar_theme=progressbar_theme)
+        """Continue a fit for ``n`` more iterations (exactly: PyMC's ``refine``)."""
+        return self.fit(n, progressbar=progressbar, progressbar_theme=progressbar_theme, tol=None)
 
     # --------------------------------------------------------- loop callbacks
     @property

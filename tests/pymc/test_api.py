@@ -130,6 +130,7 @@ def test_check_parameters_convergence_with_its_defaults_stops_the_fit(data):
     with linreg(*data):
         approx = pm.fit(
             n=1000,
+            tol=None,  # PyMC's callback alone stops the fit
             method="hmcssvi",
             progressbar=False,
             callbacks=[CheckParametersConvergence(every=50)],
@@ -378,3 +379,27 @@ def test_unknown_method_names_list_the_plugins_methods_too():
         with pytest.raises(TypeError, match=r"is a class: pass an instance"):
             pm.fit(method=HMCSSVI, progressbar=False)
         assert pm.fit(n=5, method="ADVI", progressbar=False).hist.size == 5
+
+
+def test_n_is_a_cap_and_tol_none_runs_exactly_n():
+    """``pm.fit(n=30000, method="hmcssvi")`` (the ADVI habit) ran all 30,000 iterations
+    (60 s) on a logistic regression that converges in 8. ``n`` is now the most
+    iterations; a fit stopped by it without converging warns; ``tol=None`` runs
+    exactly ``n``."""
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(300, 3))
+    y = (X @ [1.0, -1.0, 0.5] + rng.logistic(size=300) > 0).astype(int)
+    with pm.Model():
+        w = pm.Normal("w", 0, 1, shape=3)
+        pm.Bernoulli("y", logit_p=X @ w, observed=y)
+        approx = pm.fit(n=30000, method="hmcssvi", progressbar=False)
+        assert approx.converged is True and approx.n_iter < 50
+        with pytest.warns(UserWarning, match="stopped at n=3 iterations without converging"):
+            short = pm.fit(n=3, method="hmcssvi", progressbar=False)
+        assert short.converged is False and short.n_iter == 3
+        exact = pm.fit(n=40, method="hmcssvi", tol=None, progressbar=False)
+        assert exact.converged is None and exact.n_iter == 40
+        with pytest.raises(ValueError, match="pass n as well"):
+            pm.fit(method="hmcssvi", tol=None, progressbar=False)
+        with pytest.raises(ValueError, match="tol must be a positive number"):
+            pm.fit(method="hmcssvi", tol=-1.0, progressbar=False)

@@ -6,14 +6,23 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test test-slow test-all lint docs bench notebooks clean
 
-$(STAMP): pyproject.toml
-	$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 12), f"Python 3.12+ needed, got {sys.version}"'
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e ".[test,demo,data]"
-	touch $(STAMP)
+DEMO_STAMP := $(VENV)/.installed-demo
 
-demo: $(STAMP)
+$(BIN)/python:
+	$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 12), f"Python 3.12+ needed, got {sys.version}"'
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+# the demo needs the package and scikit-learn only (the tests add JAX, Bambi, ruff, ...)
+$(DEMO_STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install -q -e ".[demo]"
+	touch $(DEMO_STAMP)
+
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install -q -e ".[test,demo,data]"
+	touch $(STAMP) $(DEMO_STAMP)
+
+demo: $(DEMO_STAMP)
 	$(BIN)/python -m pymc_mcssvi.demo
 
 # The fast suite (6 minutes or less on 2 cores). Tests marked `slow` (NUTS comparisons,

@@ -1,9 +1,9 @@
 """The one fit loop of the three algorithms: iterations, stopping rule, callbacks,
 progress bar and divergence handling.
 
-:func:`run` calls a compiled step (:mod:`~pymc_mcssvi.backend.compile`) until ``n``
-iterations are done or, with ``n=None``, until the stopping rule says the bound has
-converged. A :class:`Rejections` tracker restarts a start whose bound cannot be
+:func:`run` calls a compiled step (:mod:`~pymc_mcssvi.backend.compile`) until the
+stopping rule says the bound has converged or ``n`` iterations are done (with
+``tol=None``, exactly ``n``). A :class:`Rejections` tracker restarts a start whose bound cannot be
 evaluated (narrower, then jittered; :mod:`~pymc_mcssvi.pymc.start`) and raises
 :class:`~pymc_mcssvi.exceptions.DivergenceError` after :data:`MAX_REJECTIONS`
 rejected candidates in a row, with the last accepted state kept.

@@ -39,8 +39,10 @@ def fit(
 ):
     """``pm.fit`` with ``"mcssvi"``, ``"hmcssvi"`` and ``"sdsvi"`` added.
 
-    For these methods ``n=None`` (the default here) runs until the bound has
-    converged instead of PyMC's fixed 10,000 iterations, and the inference
+    For these methods the fit runs until the bound has converged, ``n`` being
+    the most iterations (``n=None``, the default here: ``max_iter``; PyMC's
+    methods run a fixed 10,000; ``tol=None`` runs exactly ``n``), ``start`` may
+    be a saved fit or a fitted approximation to resume, and the inference
     class's options may be passed directly as well as in ``inf_kwargs``
     (``pm.fit(method="hmcssvi", hyper="point")``). Other methods behave
     exactly as in PyMC.

@@ -25,11 +25,14 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import pymc as pm
-from pytensor.graph.basic import Variable
-from pytensor.graph.traversal import graph_inputs, io_toposort
+from pytensor.compile.sharedvalue import SharedVariable
+from pytensor.graph.basic import Constant, Variable
+from pytensor.graph.traversal import ancestors, graph_inputs, io_toposort
 
-from pymc_mcssvi.recognize.graph import checks_to_ninf, depends_on_any
+from pymc_mcssvi.exceptions import UnsupportedModelError
+from pymc_mcssvi.recognize.graph import checks_to_ninf, depends_on_any, evaluate_static
 from pymc_mcssvi.recognize.ir import (
     BilinearTerm,
     ConstantTerm,
@@ -214,6 +217,7 @@ def affine_predictor(obs: Observed, g: Globals) -> Claim | None:
     term = likelihood_term(obs.name, obs.logp, g.values, g.shapes, g.point)
     if term is None:
         return None
+    check_finite_predictor(obs.name, term)
     return Claim(form_name(term) + obs.suffix, predictor=term)
 
 
@@ -299,6 +303,42 @@ class RecognizedTerms:
 
 
 # ------------------------------------------------------------------ helpers
+def check_finite_predictor(name: str, term: PredictorTerm) -> None:
+    """Refuse an infinite covariate or offset of an affine predictor, naming the data.
+
+    An ``inf`` in ``X`` made the bound not finite at the start, and the error blamed
+    the observed data's support (with NumPy's "invalid value" warnings). NaN is refused
+    before (with the observed data's checks); coefficients that need a free variable's
+    value are not checked here.
+    """
+    parts = [t.vals for t in term.terms if t.vals is not None]
+    if term.offset is not None:
+        parts.append(term.offset)
+    for part in parts:
+        try:
+            (value,) = evaluate_static([part])
+        except Exception:  # noqa: BLE001  (reads a free variable: not a data array)
+            continue
+        value = np.asarray(value)
+        if np.all(np.isfinite(value)):
+            continue
+        bad = np.argwhere(~np.isfinite(value))[0]
+        what = "an array of the predictor"
+        for v in ancestors([part]):
+            data = v.data if isinstance(v, Constant) else None
+            if isinstance(v, SharedVariable):
+                data = v.get_value(borrow=True)
+            if data is not None and np.size(data) > 1 and not np.all(np.isfinite(data)):
+                what = f"data {v.name!r}" if v.name else f"a data array of shape {np.shape(data)}"
+                break
+        raise UnsupportedModelError(
+            name,
+            f"{what} in its predictor holds {value[tuple(bad)]} (at index {tuple(int(i) for i in bad)})"
+            ": the predictor is not finite there",
+            "remove or impute those entries (or rescale the covariate) before building the model",
+        )
+
+
 def _general(obs: Observed, g: Globals, form: str, row_sources=frozenset()) -> Claim:
     _warn_scan_in_general_term(obs.name, obs.logp, g.values)
     # a failed parameter check is -inf (the candidate is rejected) inside scans too

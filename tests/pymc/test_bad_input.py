@@ -439,3 +439,24 @@ def test_a_fit_whose_bound_was_never_finite_raises_when_n_runs_out(n):
         pm.Poisson("y", pm.math.exp(b * x), observed=y)
         with pytest.raises(DivergenceError, match=rf"after {n} iterations.*'y'.*entries 7 \(-1\)"):
             pm.fit(n=n, method="hmcssvi", progressbar=False)
+
+
+@pytest.mark.parametrize("as_data", [False, True])
+def test_infinite_covariate_is_named(as_data):
+    """An inf in a covariate gave a DivergenceError that blamed the observed variable's
+    support, with NumPy's "invalid value encountered in matmul" warnings leaking."""
+    import warnings
+
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(100, 3))
+    y = (X @ [1.0, -1.0, 0.5] + rng.logistic(size=100) > 0).astype(int)
+    X[5, 1] = np.inf
+    with pm.Model():
+        Xd = pm.Data("X", X) if as_data else X
+        b = pm.Normal("b", 0, 1, shape=3)
+        pm.Bernoulli("y", logit_p=Xd @ b, observed=y)
+        where = "data 'X'" if as_data else r"a data array of shape \(100, 3\)"
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            with pytest.raises(UnsupportedModelError, match=rf"'y': {where}.*inf.*\(5, 1\)"):
+                pm.fit(method="hmcssvi", progressbar=False)

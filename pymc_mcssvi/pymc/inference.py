@@ -66,7 +66,7 @@ from pymc_mcssvi.pymc.fit_warnings import (
 )
 from pymc_mcssvi.pymc.leaves import LeafGroup, initial_leaf_params
 from pymc_mcssvi.pymc.locals import LocalGroup, initial_local_params
-from pymc_mcssvi.pymc.start import data_scaled_factors, initial_q
+from pymc_mcssvi.pymc.start import data_scaled_factors, evaluation_error, initial_q
 from pymc_mcssvi.recognize.analysis import local_scale_hypers
 from pymc_mcssvi.recognize.ir import Segment
 from pymc_mcssvi.recognize.model import check_data, recognize
@@ -756,7 +756,7 @@ class StructuredVI(Inference):
             # raises DivergenceError): NumPy's floating-point warnings are noise here.
             np.errstate(all="ignore"),
         ):
-            result = fit_loop.run(
+            result = self._run_loop(
                 step,
                 total=total,
                 auto_stop=auto_stop,
@@ -814,6 +814,17 @@ class StructuredVI(Inference):
             self._use_average()
         warn_collapsed_scales(self.model, self.tlm, self.kernel, self.store.get())
         return self.finish(include_transformed, blas_threads)
+
+    def _run_loop(self, step, **kwargs):
+        """:func:`~pymc_mcssvi.pymc.fit_loop.run`; a first step that raises (shapes that
+        do not fit) is diagnosed on PyMC's own log densities, naming the variable."""
+        try:
+            return fit_loop.run(step, **kwargs)
+        except (ValueError, IndexError, TypeError) as err:
+            found = evaluation_error(self.model) if not len(self.hist) else None
+            if found is None:
+                raise
+            raise found from err
 
     def finish(self, include_transformed=False, blas_threads=None):
         """The approximation of the current state: the work after the iterations (q(h)

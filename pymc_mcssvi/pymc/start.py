@@ -21,6 +21,7 @@ from pytensor.graph.replace import graph_replace
 from pymc_mcssvi.algorithms.hyperparameters import HyperSpec
 from pymc_mcssvi.algorithms.state import KernelState, QState, tree_map
 from pymc_mcssvi.estimators.general import flat_indices
+from pymc_mcssvi.exceptions import UnsupportedModelError
 from pymc_mcssvi.families.gaussian import GaussianBlocks
 from pymc_mcssvi.recognize.analysis import covariance_hyperparameters
 from pymc_mcssvi.recognize.graph import evaluate_static
@@ -36,6 +37,7 @@ __all__ = [
     "data_scaled_factors",
     "initial_q",
     "jitter_start",
+    "evaluation_error",
     "shrink_start",
     "start_diagnosis",
     "start_sigmas",
@@ -238,6 +240,37 @@ def start_diagnosis(model) -> str:
     except Exception:  # noqa: BLE001  (a diagnosis only)
         return ""
     return "".join(out)
+
+
+def evaluation_error(model) -> UnsupportedModelError | None:
+    """The error of the first variable whose log density PyMC cannot evaluate at the
+    model's initial point (shapes that do not fit: ``X @ b`` with 3 columns and a
+    4-vector), or ``None``.
+
+    Called only when a fit's first step raised: a diagnosis, so that the user sees the
+    variable at fault instead of a NumPy traceback from inside the compiled step.
+    """
+    try:
+        point = model.initial_point()
+    except Exception as err:  # noqa: BLE001  (the initial point itself fails)
+        return UnsupportedModelError(
+            "initial point",
+            f"the model's initial point cannot be computed ({type(err).__name__}: {err})",
+            "check the shapes of the variables and their initvals",
+        )
+    for rv in [*model.free_RVs, *model.observed_RVs]:
+        try:
+            model.compile_logp(vars=[rv], sum=False)(point)
+        except Exception as err:  # noqa: BLE001  (any failure is the diagnosis)
+            first = str(err).splitlines()[0] if str(err) else ""
+            return UnsupportedModelError(
+                rv.name,
+                f"its log density cannot be evaluated at the model's initial point "
+                f"({type(err).__name__}: {first})",
+                "check the shapes of its data and of the variables in its parameters "
+                "(X @ b needs as many entries in b as X has columns)",
+            )
+    return None
 
 
 def check_start(point, model, start):

@@ -17,6 +17,7 @@ from pymc_mcssvi.exceptions import DivergenceError, UnsupportedModelError
 from pymc_mcssvi.pymc.approximation import StructuredApproximation
 from pymc_mcssvi.pymc.inference import HMCSSVI, MCSSVI, SDSVI, StructuredVI
 from pymc_mcssvi.pymc.load import load
+from pymc_mcssvi.pymc.persist import SavedFitError
 from pymc_mcssvi.pymc.registration import register as _register
 from pymc_mcssvi.recognize.describe import ModelDescription, describe
 
@@ -27,6 +28,7 @@ __all__ = [
     "DivergenceError",
     "ModelDescription",
     "Rayleigh",
+    "SavedFitError",
     "StructuredApproximation",
     "StructuredVI",
     "UnsupportedModelError",

@@ -33,9 +33,9 @@ from pytensor.graph.replace import graph_replace
 
 from pymc_mcssvi.algorithms.arrow import Arrow, arrow_solve, arrow_view, schur_factor
 from pymc_mcssvi.algorithms.state import ArrowState, KernelState, QState, StepInfo, tree_map
+from pymc_mcssvi.estimators.chunks import chunk_layout
 from pymc_mcssvi.families.gaussian import GaussianBlocks, bmv, cholesky, precision
-from pymc_mcssvi.terms.base import Chunk
-from pymc_mcssvi.terms.chunks import chunk_layout
+from pymc_mcssvi.terms.base import Chunk, add_to
 
 __all__ = ["MAX_COUPLED_HYPERS", "StepKernel"]
 
@@ -101,22 +101,14 @@ def _flatten_part(part: Part):
 def _sum_parts(parts):
     """The sum of the parts of an evaluation (finite where every part is)."""
     first, *others = parts
-
-    def add(a, b):
-        if a is None:
-            return b
-        if b is None:
-            return a
-        return a + b
-
     outs, finite, haux, rgrads = list(first.outs), first.finite, first.haux, first.rgrads
     for p in others:
-        outs = [add(a, b) for a, b in zip(outs, p.outs, strict=True)]
+        outs = [add_to(a, b) for a, b in zip(outs, p.outs, strict=True)]
         finite = finite & p.finite
         if haux is not None:
-            head = [add(a, b) for a, b in zip(haux[:2], p.haux[:2], strict=True)]
+            head = [add_to(a, b) for a, b in zip(haux[:2], p.haux[:2], strict=True)]
             if len(haux) > 2:
-                haux = (*head, [add(a, b) for a, b in zip(haux[2], p.haux[2], strict=True)])
+                haux = (*head, [add_to(a, b) for a, b in zip(haux[2], p.haux[2], strict=True)])
             else:
                 haux = tuple(head)
         if rgrads is not None:

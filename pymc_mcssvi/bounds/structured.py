@@ -406,14 +406,6 @@ def _zeros_like(x):
     return pt.zeros(shape if None not in shape else x.shape, dtype=x.dtype)
 
 
-def _add(a, b):
-    if a is None:
-        return b
-    if b is None:
-        return a
-    return a + b
-
-
 def _numeric_size(n) -> float:
     """Value of a symbolic size (only used to pick a backend)."""
     try:

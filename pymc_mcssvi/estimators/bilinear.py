@@ -41,11 +41,11 @@ from pytensor.graph.fg import MissingInputError
 from pytensor.graph.replace import clone_replace
 from pytensor.graph.traversal import io_toposort
 
+from pymc_mcssvi.estimators.chunks import restrict_predictor
 from pymc_mcssvi.estimators.quadrature import expected_derivatives
 from pymc_mcssvi.exceptions import UnsupportedModelError
 from pymc_mcssvi.families.gaussian import GaussianBlocks, _lower_inverse, bmm, bmv
 from pymc_mcssvi.recognize.graph import depends_on_any, evaluate_static, holds_row_positions
-from pymc_mcssvi.terms.chunks import restrict_predictor
 
 __all__ = ["BilinearEstimator"]
 

@@ -16,12 +16,12 @@ import pytensor.tensor as pt
 from pytensor.gradient import NullTypeGradError
 from pytensor.graph.utils import MethodNotDefined
 
+from pymc_mcssvi.estimators.chunks import predictor_chunkable, restrict_predictor
 from pymc_mcssvi.estimators.predictor import PredictorGeometry
 from pymc_mcssvi.estimators.quadrature import expected_derivatives, expected_standard_normal
 from pymc_mcssvi.exceptions import UnsupportedModelError
 from pymc_mcssvi.recognize.ir import PredictorTerm
 from pymc_mcssvi.terms.base import EvalOptions, QView, Term, TermStats, add_to
-from pymc_mcssvi.terms.chunks import predictor_chunkable, restrict_predictor
 
 __all__ = ["KINKED_POINTS", "AffineTerm", "predictor_expectations"]
 

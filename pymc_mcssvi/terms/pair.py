@@ -13,15 +13,15 @@ from __future__ import annotations
 
 import pytensor.tensor as pt
 
-from pymc_mcssvi.estimators.quadrature import expected_pair_derivatives
-from pymc_mcssvi.recognize.ir import PairTerm
-from pymc_mcssvi.terms.base import EvalOptions, QView, Term, TermStats, add_to
-from pymc_mcssvi.terms.chunks import (
+from pymc_mcssvi.estimators.chunks import (
     observation_subset,
     predictor_chunkable,
     restrict_predictor,
     subset_is_clean,
 )
+from pymc_mcssvi.estimators.quadrature import expected_pair_derivatives
+from pymc_mcssvi.recognize.ir import PairTerm
+from pymc_mcssvi.terms.base import EvalOptions, QView, Term, TermStats, add_to
 
 __all__ = ["PAIR_POINTS", "TwoPredictorTerm"]
 

@@ -15,8 +15,8 @@ import pytest
 from pytensor.scan.op import Scan
 
 import pymc_mcssvi
+from pymc_mcssvi.estimators.chunks import chunk_layout, observation_subset
 from pymc_mcssvi.models import pmf
-from pymc_mcssvi.terms.chunks import chunk_layout, observation_subset
 
 
 def _glmm(rng):

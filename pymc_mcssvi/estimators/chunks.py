@@ -10,6 +10,7 @@ chunks, are the term's (:meth:`~pymc_mcssvi.bounds.structured.StructuredBound.ev
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import numpy as np
@@ -207,17 +208,13 @@ def restrict_predictor(
         log_density, placeholder = observation_subset(term.logp, term.placeholder, n, index)
     c = index.shape[0]
     eta_shape = (c, *shape[1:])
-    restricted = PredictorTerm(
-        name=term.name,
+    restricted = dataclasses.replace(
+        term,
         eta_shape=eta_shape,
         offset=offset.reshape(eta_shape) if offset is not None else None,
         terms=terms,
         placeholder=placeholder,
         logp=log_density,
-        gaussian=term.gaussian,
-        kind=term.kind,
-        form=term.form,
-        smooth=term.smooth,
     )
     geom = PredictorGeometry(
         restricted, geometry.segments, geometry.seg_of, pt.cast(c * inner, "int64")

@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-slow test-all lint docs bench notebooks clean
+.PHONY: demo test test-slow test-docs test-all lint docs bench notebooks clean
 
 DEMO_STAMP := $(VENV)/.installed-demo
 
@@ -26,7 +26,8 @@ demo: $(DEMO_STAMP)
 	$(BIN)/python -m pymc_mcssvi.demo
 
 # The fast suite (6 minutes or less on 2 cores). Tests marked `slow` (NUTS comparisons,
-# larger fits, the notebooks) run with `make test-slow`; `make test-all` runs both.
+# larger fits, the notebooks) run with `make test-slow`, the code blocks of README.md and
+# docs/ with `make test-docs`; `make test-all` runs all three.
 PYTEST := $(BIN)/python -m pytest -q -x -n auto --durations=15
 
 test: $(STAMP)
@@ -35,7 +36,13 @@ test: $(STAMP)
 test-slow: $(STAMP)
 	$(PYTEST) -m slow tests
 
-test-all: test test-slow
+# Every python block of the pages, in order, one process (blocks of a page share state:
+# docs/conftest.py).
+test-docs: $(STAMP)
+	$(BIN)/python -m pytest -q -p no:xdist --markdown-docs -m markdown-docs --durations=10 \
+		README.md docs/*.md docs/howto/*.md
+
+test-all: test test-slow test-docs
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -15,7 +15,10 @@ from typing import NamedTuple
 
 import cloudpickle
 import numpy as np
+import pymc as pm
 import pytensor.tensor as pt
+from pymc.backends.base import MultiTrace
+from pymc.backends.ndarray import NDArray
 from pymc.variational.opvi import Approximation, Group, node_property
 
 try:
@@ -28,7 +31,7 @@ from pymc_mcssvi.backend.modes import graph_building
 from pymc_mcssvi.families.gaussian import GaussianBlocks, covariance, sample
 from pymc_mcssvi.posterior.marginal import grid_interpolation, node_interpolation, table_transform
 from pymc_mcssvi.posterior.profile_grid import conditional_transform
-from pymc_mcssvi.pymc import persist
+from pymc_mcssvi.pymc import diagnostics, persist
 
 __all__ = [
     "ConditionalView",
@@ -540,6 +543,8 @@ class StructuredApproximation(Approximation):
         self.fitted_coords: dict = {}
         #: The inference that fitted it (what :meth:`save` writes; not pickled).
         self.inference = None
+        #: The PSIS diagnosis made at the end of the fit (``pm.fit(diagnose=...)``), or None.
+        self.diagnosis = None
 
     def save(self, path) -> None:
         """Write the fit to ``path`` (netCDF): q's parameters, the hyperparameters'
@@ -753,6 +758,58 @@ class StructuredApproximation(Approximation):
             out = super().sample(
                 draws, random_seed=random_seed, return_inferencedata=return_inferencedata, **kwargs
             )
+        return self._label(out, return_inferencedata)
+
+    def trace_from_samples(self, samples: dict, *, return_inferencedata=True, **kwargs):
+        """ArviZ data (or a ``MultiTrace``) of given draws, as :meth:`sample` returns them.
+
+        ``samples`` maps each value variable's name to its draws (first axis); the
+        draws are transformed to the constrained space with the model's
+        deterministics, as in :meth:`sample`.
+        """
+        kwargs["log_likelihood"] = False
+        names = [v.name for v in self.model.value_vars if v.name in samples]
+        draws = len(next(iter(samples.values())))
+        trace = NDArray(
+            model=self.model, test_point={name: np.asarray(samples[name][0]) for name in names}
+        )
+        with graph_building(), self.fitted_data(), self._fitted_coords():
+            try:
+                trace.setup(draws=draws, chain=0)
+                for i in range(draws):
+                    trace.record(
+                        {name: np.asarray(samples[name][i]) for name in names}, in_warmup=False
+                    )
+            finally:
+                trace.close()
+            multi = MultiTrace([trace])
+            if not return_inferencedata:
+                return multi
+            out = pm.to_inference_data(multi, model=self.model, **kwargs)
+        return self._label(out, return_inferencedata)
+
+    def diagnose(self, draws: int = 1000, *, random_seed=None):
+        """PSIS diagnosis of the fit: Pareto k-hat of ``p(y, theta) / q(theta)``
+        (trustworthy below 0.7) and importance-reweighted draws.
+
+        See :func:`pymc_mcssvi.pymc.diagnostics.diagnose`.
+
+        Examples
+        --------
+        >>> import numpy as np, pymc as pm, pymc_mcssvi
+        >>> y = np.random.default_rng(0).normal(1.0, 1.0, size=50)
+        >>> with pm.Model():
+        ...     mu = pm.Normal("mu", 0, 10)
+        ...     _ = pm.Normal("y", mu, 1.0, observed=y)
+        ...     approx = pm.fit(method="mcssvi", progressbar=False)
+        >>> d = approx.diagnose(random_seed=0)
+        >>> d.trustworthy, d.khat  # q is the exact posterior: all weights equal
+        (True, -inf)
+        """
+        return diagnostics.diagnose(self, draws, random_seed=random_seed)
+
+    def _label(self, out, return_inferencedata):
+        """Record the point estimates, integrated-out locals and leaves in the attrs."""
         if return_inferencedata:
             for key, names in (
                 ("point_estimates", self.point_estimates),

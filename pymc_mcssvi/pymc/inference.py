@@ -50,7 +50,7 @@ from pymc_mcssvi.posterior.leaves import leaf_moments, leaf_sampler
 from pymc_mcssvi.posterior.locals import LocalMoments, conditional_local_sampler, local_posteriors
 from pymc_mcssvi.posterior.marginal import EPS_GRID, MAX_CORRECTED_HYPERS, NODES, DrawMoments
 from pymc_mcssvi.posterior.profile_grid import MAX_GRID_HYPERS
-from pymc_mcssvi.pymc import fit_loop
+from pymc_mcssvi.pymc import diagnostics, fit_loop
 from pymc_mcssvi.pymc.approximation import (
     ConditionalView,
     PointGroup,
@@ -61,6 +61,7 @@ from pymc_mcssvi.pymc.approximation import (
 from pymc_mcssvi.pymc.fit_warnings import (
     check_hyper_size,
     warn_collapsed_scales,
+    warn_improper_posterior,
     warn_split_crossed,
     warn_uncoupled_hypers,
 )
@@ -674,6 +675,7 @@ class StructuredVI(Inference):
         include_transformed=False,
         compile_kwargs=None,
         blas_threads=None,
+        diagnose="auto",
         **kwargs,
     ):
         """Run the algorithm.
@@ -706,6 +708,15 @@ class StructuredVI(Inference):
             after them); ``None`` uses one thread for small and medium problems
             (faster) and leaves larger ones alone.
 
+        diagnose : bool or "auto"
+            PSIS diagnosis of the fitted q against the model's joint density
+            (:meth:`StructuredApproximation.diagnose`), kept as
+            ``approx.diagnosis``; a fit whose Pareto k-hat is 0.7 or more warns
+            (:class:`~pymc_mcssvi.pymc.diagnostics.PSISWarning`). ``"auto"``
+            diagnoses small fits (up to 100 coordinates in q, 200,000 observed
+            values, no ``pm.Minibatch`` or integrated-out locals); ``True`` every
+            fit, ``False`` none.
+
         Returns
         -------
         StructuredApproximation
@@ -718,6 +729,8 @@ class StructuredVI(Inference):
                 "by `schedule` and `rho0`, the mean step by `mean_optimizer`, passed to the "
                 "inference (`pm.fit(..., inf_kwargs=...)` or directly to pm.fit)"
             )
+        if not (diagnose is True or diagnose is False or diagnose == "auto"):
+            raise ValueError(f"diagnose must be True, False or 'auto', got {diagnose!r}")
         if n is not None:
             if not isinstance(n, int | np.integer) or n <= 0:
                 raise ValueError(f"n must be a positive integer (number of iterations), got {n!r}")
@@ -813,7 +826,10 @@ class StructuredVI(Inference):
         if self._averaged:
             self._use_average()
         warn_collapsed_scales(self.model, self.tlm, self.kernel, self.store.get())
-        return self.finish(include_transformed, blas_threads)
+        warn_improper_posterior(self.model, self.tlm, self.approx)
+        approx = self.finish(include_transformed, blas_threads)
+        approx.diagnosis = diagnostics.after_fit(approx, diagnose, self.random_seed)
+        return approx
 
     def _run_loop(self, step, **kwargs):
         """:func:`~pymc_mcssvi.pymc.fit_loop.run`; a first step that raises (shapes that

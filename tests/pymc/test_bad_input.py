@@ -472,3 +472,74 @@ def test_shapes_that_do_not_fit_are_named_not_a_numpy_traceback():
         pm.Normal("y", X @ b, 1.0, observed=rng.normal(size=100))
         with pytest.raises(UnsupportedModelError, match=r"'y': its log density cannot be evalu"):
             pm.fit(method="hmcssvi", progressbar=False)
+
+
+def _fit_warnings(model, **kwargs):
+    import warnings
+
+    with model, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        approx = pm.fit(method="hmcssvi", diagnose=False, progressbar=False, **kwargs)
+    return approx, [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+
+
+def test_complete_separation_with_flat_priors_warns_of_an_improper_posterior():
+    """Separated classes with ``pm.Flat`` coefficients: there is no posterior, and the fit
+    converged to finite means and sds without a word (-ELBO settled at the bound of a
+    q that keeps widening along the separating direction)."""
+    x = np.random.default_rng(0).normal(size=100)
+    with pm.Model() as model:
+        b0, b1 = pm.Flat("b0"), pm.Flat("b1")
+        pm.Bernoulli("y", logit_p=b0 + b1 * x, observed=(x > 0).astype(int))
+    approx, caught = _fit_warnings(model)
+    assert np.all(np.isfinite(approx.mean.eval()))
+    improper = [m for m in caught if "improper" in m]
+    assert len(improper) == 1 and "'b1'" in improper[0] and "proper priors" in improper[0]
+
+
+@pytest.mark.parametrize("kind", ["collinear", "halfflat_one_group"])
+def test_other_improper_posteriors_warn(kind):
+    """Collinear columns under Flat priors (the log density is constant along their
+    null direction) and a HalfFlat group scale with one group (the marginal likelihood
+    falls like 1 / scale)."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=80)
+    y = 1 + 0.5 * x + rng.normal(0, 0.7, 80)
+    with pm.Model() as model:
+        b0 = pm.Normal("b0", 0, 5)
+        if kind == "collinear":
+            w = pm.Flat("w", shape=2)
+            pm.Normal("y", b0 + np.column_stack([x, 2 * x]) @ w, 0.7, observed=y)
+            culprit = "'w'"
+        else:
+            a = pm.Normal("a", 0, pm.HalfFlat("sa"), shape=1)
+            pm.Normal("y", b0 + a[np.zeros(80, dtype=int)] + 0.5 * x, 0.7, observed=y)
+            culprit = "'sa'"
+    _, caught = _fit_warnings(model, n=60)
+    assert any("improper" in m and culprit in m for m in caught), caught
+
+
+@pytest.mark.parametrize("kind", ["logistic", "gaussian_halfflat", "glmm"])
+def test_proper_posteriors_with_flat_priors_do_not_warn(kind):
+    """Overlapping classes, a Gaussian regression with a Flat intercept and a HalfFlat
+    residual scale, a logistic GLMM with a Flat intercept: proper posteriors, no
+    warning."""
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=100)
+    g = rng.integers(0, 5, 100)
+    with pm.Model() as model:
+        b0 = pm.Flat("b0")
+        if kind == "logistic":
+            b1 = pm.Flat("b1")
+            y = (x + rng.logistic(size=100) > 0).astype(int)
+            pm.Bernoulli("y", logit_p=b0 + b1 * x, observed=y)
+        elif kind == "gaussian_halfflat":
+            b1 = pm.Normal("b1", 0, 1)
+            pm.Normal("y", b0 + b1 * x, pm.HalfFlat("s"), observed=1 + x + rng.normal(size=100))
+        else:
+            a = pm.Normal("a", 0, pm.HalfNormal("sa", 1), shape=5)
+            y = (x + rng.normal(0, 0.8, 5)[g] + rng.logistic(size=100) > 0).astype(int)
+            pm.Bernoulli("y", logit_p=b0 + a[g] + x, observed=y)
+    approx, caught = _fit_warnings(model)
+    assert approx.converged
+    assert not [m for m in caught if "improper" in m]

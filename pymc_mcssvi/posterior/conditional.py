@@ -295,7 +295,7 @@ class ConditionalGlobals:
         spec = self.kernel.hypers.spec
         names = [v.name for v in spec.values]
         n = int(np.asarray(samples[names[0]]).shape[0])
-        if not self.affordable(n) and self.nodes is None:
+        if not self.affordable(1) and self.nodes is None:
             return {}
         first = [np.asarray(samples[nm], dtype="float64")[[0, min(1, n - 1)]] for nm in names]
         g = self.group
@@ -309,9 +309,11 @@ class ConditionalGlobals:
                 # A gridded q(h): q(w | h) interpolated between its nodes, each an exact
                 # re-fit, is as close to NUTS as a re-fit at every draw and far cheaper
                 self._draw_from_nodes(samples, names, n, rng, flat, keep)
-            elif self.affordable(n) and self.affordable(n, first):
+            elif self.affordable(1, first):
                 size = int(max(1, min(n, SETTINGS.refit_batch_bytes // self._measure(first)[0])))
-                self._draw(samples, names, n, size, rng, flat, keep)
+                self._draw(
+                    samples, names, n, min(size, SETTINGS.refit_batch_draws), rng, flat, keep
+                )
             else:
                 return {}
         out = {}
@@ -322,17 +324,62 @@ class ConditionalGlobals:
         return out
 
     def _draw(self, samples, names, n, size, rng, flat, keep):
-        g = self.group
-        for lo in range(0, n, size):
-            sl = slice(lo, min(n, lo + size))
+        """Re-fit the first draws batch by batch, at most ``SETTINGS.max_refit_draws``
+        of them and while the work lasts (:meth:`affordable`); the rest take the
+        q(w | h) of the nearest re-fitted draw (in ``h`` scaled by the re-fitted draws'
+        sds), moved to their ``h`` by the linear response. So a call's re-fits cost
+        the same whatever ``draws`` is past that count (``sample(1000)`` took 3-4.6 s
+        and ``sample(2000)`` 0.1 s, which fell back to the linear-response view), and
+        the draws past it keep most of the re-fits' accuracy."""
+        fitted, done = [], 0
+        while done < n:
+            stop = min(n, done + size)
+            if done and (done >= SETTINGS.max_refit_draws or not self.affordable(stop)):
+                break
+            sl = slice(done, stop)
             hs = [np.asarray(samples[nm][sl], dtype="float64") for nm in names]
             means, factors, values = self.refit(hs)
             keep[sl] = ~np.isfinite(values)
-            for m, L, idx in zip(means, factors, g.flat_maps, strict=True):
-                e = rng.standard_normal(m.shape)
-                # w = m + L^{-T} e
-                noise = np.linalg.solve(np.swapaxes(L, -1, -2), e[..., None])[..., 0]
-                flat[sl, np.asarray(idx).reshape(-1)] = (m + noise).reshape(m.shape[0], -1)
+            self._write(means, factors, sl, rng, flat)
+            fitted.append((hs, means, factors, np.isfinite(values)))
+            done = stop
+        if done < n:
+            self._draw_moved(samples, names, slice(done, n), fitted, rng, flat, keep)
+
+    def _write(self, means, factors, sl, rng, flat):
+        """Draws ``w = m + L^{-T} e`` of the blocks ``(means, factors)`` into ``flat[sl]``."""
+        for m, L, idx in zip(means, factors, self.group.flat_maps, strict=True):
+            e = rng.standard_normal(m.shape)
+            noise = np.linalg.solve(np.swapaxes(L, -1, -2), e[..., None])[..., 0]
+            flat[sl, np.asarray(idx).reshape(-1)] = (m + noise).reshape(m.shape[0], -1)
+
+    def _draw_moved(self, samples, names, sl, fitted, rng, flat, keep):
+        """Draws ``sl`` from the nearest re-fitted draw's q(w | h), moved by the linear
+        response to their own ``h``."""
+
+        def flat_h(hs):
+            return np.concatenate([h.reshape(h.shape[0], -1) for h in hs], axis=1)
+
+        ok = np.concatenate([f[3] for f in fitted])
+        if not ok.any():
+            keep[sl] = True
+            return
+        at = flat_h([np.concatenate([f[0][j] for f in fitted]) for j in range(len(names))])[ok]
+        base_m = [np.concatenate([f[1][s] for f in fitted])[ok] for s in range(len(fitted[0][1]))]
+        base_f = [np.concatenate([f[2][s] for f in fitted])[ok] for s in range(len(fitted[0][2]))]
+        H = flat_h([np.asarray(samples[nm][sl], dtype="float64") for nm in names])
+        keep[sl] = ~np.all(np.isfinite(H), axis=1)
+        H = np.where(keep[sl][:, None], at[0], H)
+        scale = np.std(at, axis=0) + 1e-12
+        d2 = (((H[:, None, :] - at[None, :, :]) / scale) ** 2).sum(-1)
+        near = np.argmin(d2, axis=1)
+        dh = H - at[near]
+        responses = self.store.get(borrow=True).hyper.lr_responses
+        means = [
+            m[near] + np.tensordot(dh, U, [[1], [-1]])
+            for m, U in zip(base_m, responses, strict=True)
+        ]
+        self._write(means, [f[near] for f in base_f], sl, rng, flat)
 
     def _draw_from_nodes(self, samples, names, n, rng, flat, keep):
         """Draws of q(w | h) interpolated between the grid's nodes (:func:`node_corners`):

@@ -166,3 +166,30 @@ def test_batched_refits_match_single_draws_and_stop_each_on_its_own(rng):
     np.testing.assert_allclose(floored[1:], values[1:], rtol=0, atol=1e-9)
     assert floored[0] < floor and floored[0] <= values[0] + 1e-9
     assert sum(rows) < full  # the far draw stopped early
+
+
+def test_draws_past_the_refit_count_move_the_nearest_refit(rng, monkeypatch):
+    """``sample(n)`` re-fits at most ``SETTINGS.max_refit_draws`` draws (its cost stops
+    growing with ``n``: ``sample(1000)`` took 3-4.6 s where ``sample(2000)`` fell back to
+    the view in 0.1 s); the others take the nearest re-fit moved by the linear response,
+    and their moments are those of a re-fit at every draw."""
+    m = _poisson_intercepts(rng)
+    with m:
+        approx = pm.fit(method="hmcssvi", random_seed=1, progressbar=False)
+    sampler = approx._conditional_samplers()[0]
+    sampler.nodes = None  # re-fits, not the gridded q(h)'s nodes
+    rows = _counting(sampler)
+    monkeypatch.setattr(SETTINGS, "max_refit_draws", 64)
+    monkeypatch.setattr(SETTINGS, "refit_batch_draws", 32)
+    moved = approx.sample(1500, random_seed=3).posterior
+    refitted = sum(r for r in rows)  # draws computed per step call
+    assert 64 <= refitted <= 64 * SETTINGS.max_conditional_steps, rows
+    assert max(rows) <= 32 and sum(1 for r in rows if r == 32) >= 2
+    monkeypatch.setattr(SETTINGS, "max_refit_draws", 10**6)
+    monkeypatch.setattr(SETTINGS, "refit_batch_draws", 10**6)
+    exact = approx.sample(1500, random_seed=4).posterior
+    for name in ("a", "b0"):
+        a, b = moved[name].values.reshape(1500, -1), exact[name].values.reshape(1500, -1)
+        se = b.std(0) / np.sqrt(1500)
+        np.testing.assert_array_less(np.abs(a.mean(0) - b.mean(0)), 4 * se + 1e-3)
+        np.testing.assert_allclose(a.std(0), b.std(0), rtol=0.1)

@@ -324,62 +324,65 @@ class ConditionalGlobals:
         return out
 
     def _draw(self, samples, names, n, size, rng, flat, keep):
-        """Re-fit the first draws batch by batch, at most ``SETTINGS.max_refit_draws``
-        of them and while the work lasts (:meth:`affordable`); the rest take the
-        q(w | h) of the nearest re-fitted draw (in ``h`` scaled by the re-fitted draws'
+        """Re-fit at most ``SETTINGS.max_refit_draws`` draws, batch by batch while the
+        work lasts (:meth:`affordable`), chosen to cover the draws of ``h``
+        (:func:`spread_order`: the tails too, where q(w | h) turns most); the rest
+        take the q(w | h) of the nearest re-fitted draw (in ``h`` scaled by the draws'
         sds), moved to their ``h`` by the linear response. So a call's re-fits cost
         the same whatever ``draws`` is past that count (``sample(1000)`` took 3-4.6 s
         and ``sample(2000)`` 0.1 s, which fell back to the linear-response view), and
-        the draws past it keep most of the re-fits' accuracy."""
+        the other draws keep most of the re-fits' accuracy."""
+        H = _flat_h([np.asarray(samples[nm], dtype="float64") for nm in names])
+        order = spread_order(H, min(n, SETTINGS.max_refit_draws))
         fitted, done = [], 0
-        while done < n:
-            stop = min(n, done + size)
-            if done and (done >= SETTINGS.max_refit_draws or not self.affordable(stop)):
+        while done < len(order):
+            stop = min(len(order), done + size)
+            if done and not self.affordable(stop):
                 break
-            sl = slice(done, stop)
-            hs = [np.asarray(samples[nm][sl], dtype="float64") for nm in names]
+            rows = order[done:stop]
+            hs = [np.asarray(samples[nm], dtype="float64")[rows] for nm in names]
             means, factors, values = self.refit(hs)
-            keep[sl] = ~np.isfinite(values)
-            self._write(means, factors, sl, rng, flat)
-            fitted.append((hs, means, factors, np.isfinite(values)))
+            keep[rows] = ~np.isfinite(values)
+            self._write(means, factors, rows, rng, flat)
+            fitted.append((rows, means, factors, np.isfinite(values)))
             done = stop
-        if done < n:
-            self._draw_moved(samples, names, slice(done, n), fitted, rng, flat, keep)
+        rest = np.setdiff1d(np.arange(n), order[:done])
+        if len(rest):
+            self._draw_moved(H, rest, fitted, rng, flat, keep)
 
-    def _write(self, means, factors, sl, rng, flat):
-        """Draws ``w = m + L^{-T} e`` of the blocks ``(means, factors)`` into ``flat[sl]``."""
+    def _write(self, means, factors, rows, rng, flat):
+        """Draws ``w = m + L^{-T} e`` of the blocks ``(means, factors)`` into ``flat[rows]``."""
         for m, L, idx in zip(means, factors, self.group.flat_maps, strict=True):
             e = rng.standard_normal(m.shape)
             noise = np.linalg.solve(np.swapaxes(L, -1, -2), e[..., None])[..., 0]
-            flat[sl, np.asarray(idx).reshape(-1)] = (m + noise).reshape(m.shape[0], -1)
+            cols = np.asarray(idx).reshape(-1)
+            flat[rows[:, None], cols[None, :]] = (m + noise).reshape(m.shape[0], -1)
 
-    def _draw_moved(self, samples, names, sl, fitted, rng, flat, keep):
-        """Draws ``sl`` from the nearest re-fitted draw's q(w | h), moved by the linear
-        response to their own ``h``."""
-
-        def flat_h(hs):
-            return np.concatenate([h.reshape(h.shape[0], -1) for h in hs], axis=1)
-
+    def _draw_moved(self, H, rows, fitted, rng, flat, keep):
+        """Draws ``rows`` from the nearest re-fitted draw's q(w | h), moved by the linear
+        response to their own ``h`` (``H``: every draw's flat ``h``)."""
         ok = np.concatenate([f[3] for f in fitted])
         if not ok.any():
-            keep[sl] = True
+            keep[rows] = True
             return
-        at = flat_h([np.concatenate([f[0][j] for f in fitted]) for j in range(len(names))])[ok]
+        at = H[np.concatenate([f[0] for f in fitted])][ok]
         base_m = [np.concatenate([f[1][s] for f in fitted])[ok] for s in range(len(fitted[0][1]))]
         base_f = [np.concatenate([f[2][s] for f in fitted])[ok] for s in range(len(fitted[0][2]))]
-        H = flat_h([np.asarray(samples[nm][sl], dtype="float64") for nm in names])
-        keep[sl] = ~np.all(np.isfinite(H), axis=1)
-        H = np.where(keep[sl][:, None], at[0], H)
+        h = H[rows]
+        keep[rows] = ~np.all(np.isfinite(h), axis=1)
+        h = np.where(keep[rows][:, None], at[0], h)
         scale = np.std(at, axis=0) + 1e-12
-        d2 = (((H[:, None, :] - at[None, :, :]) / scale) ** 2).sum(-1)
-        near = np.argmin(d2, axis=1)
-        dh = H - at[near]
+        near = np.empty(len(rows), dtype=int)
+        for lo in range(0, len(rows), 1024):  # (rows x re-fits) distances, in pieces
+            d2 = (((h[lo : lo + 1024, None, :] - at[None, :, :]) / scale) ** 2).sum(-1)
+            near[lo : lo + 1024] = np.argmin(d2, axis=1)
+        dh = h - at[near]
         responses = self.store.get(borrow=True).hyper.lr_responses
         means = [
             m[near] + np.tensordot(dh, U, [[1], [-1]])
             for m, U in zip(base_m, responses, strict=True)
         ]
-        self._write(means, [f[near] for f in base_f], sl, rng, flat)
+        self._write(means, [f[near] for f in base_f], rows, rng, flat)
 
     def _draw_from_nodes(self, samples, names, n, rng, flat, keep):
         """Draws of q(w | h) interpolated between the grid's nodes (:func:`node_corners`):
@@ -406,6 +409,45 @@ class ConditionalGlobals:
                     noise[sel] = np.einsum("rij,drj->dri", A[node], e[sel])
                 out += _expand(w, m[r]) * (m[r] + noise)
             flat[:, np.asarray(idx).reshape(-1)] = out.reshape(n, -1)
+
+
+def _flat_h(hs) -> np.ndarray:
+    """Draws of the hyperparameters by variable, as one ``(n, d)`` array."""
+    return np.concatenate([h.reshape(h.shape[0], -1) for h in hs], axis=1)
+
+
+def spread_order(H, k: int) -> np.ndarray:
+    """``k`` rows of ``H`` that cover its spread: farthest-point order (in ``H`` scaled
+    by its columns' sds) from the row nearest the median; rows that are not finite last.
+
+    Examples
+    --------
+    >>> H = np.array([[0.0], [0.1], [5.0], [-4.0], [0.2]])
+    >>> spread_order(H, 3).tolist()
+    [1, 2, 3]
+    """
+    n = H.shape[0]
+    finite = np.all(np.isfinite(H), axis=1)
+    Z = np.where(finite[:, None], H, 0.0)
+    Z = (
+        (Z - np.median(Z[finite], axis=0)) / (np.std(Z[finite], axis=0) + 1e-12)
+        if finite.any()
+        else Z
+    )
+    dist = np.where(finite, (Z**2).sum(1), -np.inf)
+    first = int(np.argmin(np.where(finite, dist, np.inf)))
+    order = [first]
+    dist = np.where(finite, ((Z - Z[first]) ** 2).sum(1), -np.inf)
+    dist[first] = -np.inf
+    for _ in range(min(k, n) - 1):
+        nxt = int(np.argmax(dist))
+        if not np.isfinite(dist[nxt]):
+            break
+        order.append(nxt)
+        dist = np.minimum(dist, ((Z - Z[nxt]) ** 2).sum(1))
+        dist[nxt] = -np.inf
+    rest = [i for i in range(n) if not finite[i]][: max(0, k - len(order))]
+    return np.array(order + rest, dtype=int)
 
 
 def node_corners(index, t) -> list:

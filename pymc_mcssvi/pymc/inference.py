@@ -22,6 +22,7 @@ import pymc as pm
 import pytensor
 from pymc.progress_bar import default_progress_theme
 from pymc.variational.inference import Inference
+from pytensor.compile.mode import get_mode
 from threadpoolctl import threadpool_limits
 
 from pymc_mcssvi.algorithms.averaging import IterateAverage
@@ -31,7 +32,7 @@ from pymc_mcssvi.algorithms.kernel import StepKernel
 from pymc_mcssvi.algorithms.mcssvi import MCSSVIStep
 from pymc_mcssvi.algorithms.optimizers import make_optimizer
 from pymc_mcssvi.algorithms.rayleigh import RayleighGlobals
-from pymc_mcssvi.algorithms.schedules import make_schedule
+from pymc_mcssvi.algorithms.schedules import Schedule, make_schedule
 from pymc_mcssvi.algorithms.sdsvi import SDSVIStep
 from pymc_mcssvi.algorithms.state import SharedState
 from pymc_mcssvi.backend import compile as compile_module
@@ -235,6 +236,7 @@ class StructuredVI(Inference):
         #: to build the same inference again).
         self.options = {k: v for k, v in locals().items() if k not in ("self", "model")}
         self.model = pm.modelcontext(model)
+        check_options(self.options, self.model)
         self.linear_response = True if linear_response is None else bool(linear_response)
         if hyper_marginal not in ("profile", "gaussian"):
             raise ValueError(
@@ -731,11 +733,11 @@ class StructuredVI(Inference):
             )
         if not (diagnose is True or diagnose is False or diagnose == "auto"):
             raise ValueError(f"diagnose must be True, False or 'auto', got {diagnose!r}")
-        if n is not None:
-            if not isinstance(n, int | np.integer) or n <= 0:
-                raise ValueError(f"n must be a positive integer (number of iterations), got {n!r}")
-        if max_iter <= 0:
-            raise ValueError(f"max_iter must be positive, got {max_iter!r}")
+        if n is not None and not _is_positive_int(n):
+            raise ValueError(f"n must be a positive integer (number of iterations), got {n!r}")
+        if not _is_positive_int(max_iter):
+            raise ValueError(f"max_iter must be a positive integer, got {max_iter!r}")
+        _check_fit_options(backend, blas_threads, callbacks, compile_kwargs)
         if self.approx.changed_data():
             check_data(self.model, [g.value for g in self.tlm.gaussians])
             # ``pm.set_data`` since the last fit: the stored bound (and the derivatives
@@ -976,6 +978,137 @@ class StructuredVI(Inference):
             locations = self._average_locations if self._averaged else None
             return fit_loop.converged_stochastic(scores, tol, locations)
         return fit_loop.converged_full_batch(scores, gains, tol)
+
+
+def _is_positive_int(x) -> bool:
+    return isinstance(x, int | np.integer) and not isinstance(x, bool | np.bool_) and x > 0
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, int | float | np.integer | np.floating) and not isinstance(
+        x, bool | np.bool_
+    )
+
+
+#: Options of the inference classes that take one of a few names.
+_CHOICES = {
+    "bound": ("optimal", "jensen"),
+    "inner": ("quadrature", "mc"),
+    "estimator": ("quadrature", "mc"),
+}
+
+
+def check_options(options: dict, model) -> None:
+    """Refuse values of the inference classes' options (``StructuredVI.__init__``'s
+    arguments, by name) that the fit cannot use, naming the option.
+
+    Each of these failed deep inside the fit with an error that named nothing (a
+    Hermite degree of 0 from NumPy, a division by a zero chunk size) or was
+    ignored (``bound="elbo"``, ``n_draws=0``, ``linear_response="no"`` read as true).
+    """
+    for key, allowed in _CHOICES.items():
+        if options[key] not in allowed:
+            raise ValueError(
+                f"{key} must be one of {', '.join(map(repr, allowed))}, got {options[key]!r}"
+            )
+    for key in ("n_points", "n_draws", "n_inner", "n_rayleigh_nodes"):
+        if not _is_positive_int(options[key]):
+            raise ValueError(f"{key} must be a positive integer, got {options[key]!r}")
+    if options["chunk_size"] is not None and not _is_positive_int(options["chunk_size"]):
+        raise ValueError(
+            "chunk_size must be a positive integer (observations per chunk) or None, "
+            f"got {options['chunk_size']!r}"
+        )
+    draws = options["bilinear_draws"]
+    if draws != "sigma" and not _is_positive_int(draws):
+        raise ValueError(f"bilinear_draws must be 'sigma' or a positive integer, got {draws!r}")
+    for key in ("fixed_draws", "linear_response"):
+        if options[key] is not None and not isinstance(options[key], bool | np.bool_):
+            raise TypeError(f"{key} must be True, False or None, got {options[key]!r}")
+    for key, sign in (("rho0", "positive"), ("tau", "non-negative"), ("kappa", "positive")):
+        value = options[key]
+        if value is None:
+            continue
+        if (
+            not (_is_number(value) and np.isfinite(value))
+            or value < 0
+            or (value == 0 and sign == "positive")
+        ):
+            raise ValueError(f"{key} must be a finite {sign} number, got {value!r}")
+    schedule = options["schedule"]
+    if _is_number(schedule) and not (np.isfinite(schedule) and schedule > 0):
+        raise ValueError(
+            f"schedule as a number is a constant step size, which must be positive, got {schedule!r}"
+        )
+    if not (_is_number(schedule) or isinstance(schedule, str | Schedule)):
+        raise TypeError(
+            "schedule must be 'auto', 'adaptive', 'inverse', 'power', 'constant' or a "
+            f"positive number (a constant step size), got {schedule!r}"
+        )
+    for key in ("mean_optimizer", "factor_optimizer", "hyper_optimizer"):
+        spec = options[key]
+        if spec is None or (key == "hyper_optimizer" and spec == "newton"):
+            continue
+        try:
+            make_optimizer(spec, 1.0)
+        except (ValueError, TypeError) as err:
+            extra = "'newton' or " if key == "hyper_optimizer" else ""
+            raise ValueError(
+                f"{key} must be {extra}'adagrad', 'adam', 'sgd', a (name, learning rate) pair "
+                f"or an Optimizer, got {spec!r} ({err})"
+            ) from None
+    seed = options["random_seed"]
+    if seed is not None:
+        try:
+            np.random.SeedSequence(seed)
+        except (TypeError, ValueError):
+            raise TypeError(
+                f"random_seed must be a non-negative integer (or a sequence of them), got {seed!r}"
+            ) from None
+    start = options["start"]
+    if start is not None:
+        if not isinstance(start, dict):
+            raise TypeError(
+                "start must be a dict of starting values by variable name, a saved fit or a "
+                f"fitted approximation, got {type(start).__name__}"
+            )
+        known = {rv.name for rv in model.free_RVs} | {v.name for v in model.value_vars}
+        unknown = [k for k in start if k not in known]
+        if unknown:
+            raise ValueError(
+                f"start names {unknown[0]!r}, which is not a free variable of the model "
+                f"(free variables: {', '.join(rv.name for rv in model.free_RVs)})"
+            )
+
+
+def _check_fit_options(backend, blas_threads, callbacks, compile_kwargs) -> None:
+    """Refuse values of ``fit``'s options that the fit cannot use, naming the option
+    (an unknown backend failed in PyTensor's mode table, ``blas_threads=0`` was ignored,
+    a callback that is not callable failed after the first iteration)."""
+    if backend is not None and backend != "python":
+        try:
+            if not isinstance(backend, str):
+                raise TypeError
+            get_mode(backend)
+        except (TypeError, ValueError):
+            raise ValueError(
+                "backend must be 'numba', 'c', 'jax' or 'python' (or the name of a PyTensor "
+                f"mode), or None to choose by the problem's size, got {backend!r}"
+            ) from None
+    if blas_threads is not None and not _is_positive_int(blas_threads):
+        raise ValueError(f"blas_threads must be a positive integer or None, got {blas_threads!r}")
+    if compile_kwargs is not None and not isinstance(compile_kwargs, dict):
+        raise TypeError(
+            f"compile_kwargs must be a dict of pytensor.function arguments, got {compile_kwargs!r}"
+        )
+    if callbacks is not None:
+        if isinstance(callbacks, str) or not hasattr(callbacks, "__iter__"):
+            raise TypeError(f"callbacks must be a list of callables, got {callbacks!r}")
+        for cb in callbacks:
+            if not callable(cb):
+                raise TypeError(
+                    f"callbacks must be callables callback(approx, losses, i), got {cb!r}"
+                )
 
 
 def _data_values(model) -> dict:

@@ -38,8 +38,10 @@ from pymc_mcssvi.recognize.stabilize import stable_logp
 
 __all__ = [
     "bilinear_term",
+    "check_whole",
     "find_bilinear",
     "flatten_terms",
+    "float_to_int_casts",
     "form_name",
     "likelihood_term",
     "maximal_affine_nodes",
@@ -377,21 +379,12 @@ def validate_index(name: str, idx, length, indexed: list[str]) -> None:
     """
 
     what = ", ".join(repr(v.removesuffix("_log__")) for v in indexed)
-    for cast in _float_to_int_casts(idx):
+    for cast in float_to_int_casts(idx):
         try:
             (raw,) = evaluate_static([cast])
         except MissingInputError:
             continue
-        raw = np.asarray(raw)
-        if np.any(raw != np.round(raw)):
-            label = cast.name or idx.name or "a grouping index"
-            bad = raw[raw != np.round(raw)]
-            raise UnsupportedModelError(
-                name,
-                f"{label} is cast from floats that are not whole numbers (e.g. {float(bad.flat[0])}); "
-                f"it indexes {what}",
-                "pass integer group codes (e.g. pd.factorize) instead of casting floats",
-            )
+        check_whole(name, cast.name or idx.name or "a grouping index", raw, f"it indexes {what}")
     try:
         values, n = evaluate_static([idx, pt.as_tensor(length)])
     except MissingInputError:
@@ -416,7 +409,22 @@ def validate_index(name: str, idx, length, indexed: list[str]) -> None:
         )
 
 
-def _float_to_int_casts(idx):
+def check_whole(name: str, label: str, raw, what: str) -> None:
+    """Raise :class:`UnsupportedModelError` when the floats ``raw``, cast to integers
+    on the way to an index, are not all whole and finite (a cast truncates ``1.5`` to
+    group 1 and turns NaN and inf into the most negative integer)."""
+    raw = np.asarray(raw)
+    bad = ~np.isfinite(raw) | (raw != np.round(raw))
+    if np.any(bad):
+        raise UnsupportedModelError(
+            name,
+            f"{label} is cast from floats that are not whole numbers (e.g. "
+            f"{float(raw[bad].flat[0])}); {what}",
+            "pass integer group codes (e.g. pd.factorize) instead of casting floats",
+        )
+
+
+def float_to_int_casts(idx):
     """Float inputs of integer casts on the way to an index (``g.astype("int64")``)."""
 
     found = []

@@ -36,6 +36,7 @@ from pytensor.compile.ops import ViewOp
 from pytensor.gradient import disconnected_grad
 from pytensor.graph.fg import MissingInputError
 from pytensor.graph.replace import graph_replace
+from pytensor.graph.rewriting.utils import rewrite_graph
 from pytensor.graph.traversal import graph_inputs, io_toposort
 from pytensor.scalar import basic as ps
 from pytensor.tensor.elemwise import DimShuffle, Elemwise
@@ -107,7 +108,7 @@ def marginal_logp(
     shape = local.shape
     logp_y = in_local_layout(logp_y, shape)
     if local.kind == "discrete":
-        return minibatch_scale * _enumerate(model, local, logp_y, bound)
+        return minibatch_scale * _enumerate(model, local, logp_y, bound, fixed)
 
     loc, scale = (pt.broadcast_to(as_float(p), shape64(shape)) for p in params)
     closed = _gaussian_closed_form(obs, value, shape, loc, scale, bound, model, fixed)
@@ -434,8 +435,15 @@ def _has_zeros(b) -> bool:
     return False
 
 
-def _enumerate(model, local, logp_y, bound):
-    """Exact sum over the values of a discrete local (log-sum-exp)."""
+def _enumerate(model, local, logp_y, bound, fixed=()):
+    """Exact sum over the values of a discrete local (log-sum-exp).
+
+    A value at which the likelihood does not depend on the Gaussian globals ``fixed``
+    (zero inflation written ``pm.Poisson("y", exp(b) * (1 - z))``: at ``z = 1`` the rate
+    is 0 whatever ``b``) gets a row built without them (:func:`_rows_free_of`), so that
+    its derivatives are exactly 0; through ``exp(b) * 0`` they were ``0 * inf``, NaN,
+    and the fit stopped at its start.
+    """
     K = int(local.support)
     if K > 64:
         raise UnsupportedModelError(
@@ -448,7 +456,32 @@ def _enumerate(model, local, logp_y, bound):
     ks = pt.constant(np.arange(K).reshape((K,) + (1,) * len(local.shape)).astype(value.dtype))
     ks = pt.broadcast_to(ks, shape64((K, *local.shape)))
     prior = vectorize_graph(logp_z, {value: ks})
-    lik = vectorize_graph(logp_y, {value: ks})
+    free = _rows_free_of(logp_y, value, local.shape, K, fixed)
+    if not free:
+        lik = vectorize_graph(logp_y, {value: ks})
+    else:
+        live = [k for k in range(K) if k not in free]
+        at_live = vectorize_graph(logp_y, {value: ks[live]}) if live else None
+        rows = [free[k][None] if k in free else at_live[live.index(k)][None] for k in range(K)]
+        lik = pt.concatenate(rows, axis=0)
     if bound == "optimal":
         return pt.logsumexp(prior + lik, axis=0)
     return pt.sum(pt.exp(prior) * lik, axis=0)
+
+
+def _rows_free_of(logp_y, value, shape, K: int, fixed) -> dict:
+    """The values ``k`` of a discrete local at which ``logp_y`` does not depend on the
+    variables ``fixed`` once the local is set to ``k`` and the graph is simplified
+    (PyTensor's canonical rewrites fold ``exp(b) * (1 - 1)`` to 0), with those rows:
+    ``{k: log p(y | z = k)}``, each a graph free of ``fixed``."""
+    fixed = list(fixed)
+    if not fixed or not depends_on_any(logp_y, fixed):
+        return {}
+    out = {}
+    for k in range(K):
+        at_k = pt.constant(np.full(shape, k, dtype=value.dtype))
+        row = graph_replace(logp_y, {value: at_k}, strict=False)
+        row = rewrite_graph(row, include=("canonicalize",))
+        if not depends_on_any(row, fixed):
+            out[k] = pt.broadcast_to(as_float(row), shape64(shape))
+    return out

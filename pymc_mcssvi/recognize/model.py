@@ -20,9 +20,10 @@ from pymc.data import MinibatchOp
 from pymc.variational.minibatch_rv import MinibatchRandomVariable
 from pytensor.graph.basic import Constant
 from pytensor.graph.fg import MissingInputError
-from pytensor.graph.traversal import ancestors, graph_inputs
+from pytensor.graph.traversal import ancestors, graph_inputs, io_toposort
 from pytensor.tensor.random.op import RandomVariable
 from pytensor.tensor.sharedvar import TensorSharedVariable
+from pytensor.tensor.subtensor import AdvancedSubtensor
 
 from pymc_mcssvi.exceptions import UnsupportedModelError
 from pymc_mcssvi.recognize.affine import linearize
@@ -49,7 +50,9 @@ from pymc_mcssvi.recognize.layout import (
 )
 from pymc_mcssvi.recognize.likelihood import (
     check_gather_indices,
+    check_whole,
     flatten_terms,
+    float_to_int_casts,
     likelihood_term,
 )
 from pymc_mcssvi.recognize.marginalize import marginal_logp
@@ -64,7 +67,13 @@ from pymc_mcssvi.recognize.separable import hessian_colors, separable_rows
 from pymc_mcssvi.recognize.series import series_residuals
 from pymc_mcssvi.recognize.zerosum import zerosum_as_linear
 
-__all__ = ["MAX_GENERAL_DIM", "check_data", "general_reads", "recognize"]
+__all__ = [
+    "MAX_GENERAL_DIM",
+    "check_data",
+    "evaluation_failure",
+    "general_reads",
+    "recognize",
+]
 
 #: Largest Gaussian dimension the Monte Carlo + autodiff path accepts (it forms D x D Hessians).
 MAX_GENERAL_DIM = 2000
@@ -114,7 +123,53 @@ def recognize(
     """
     model = pm.modelcontext(model)
     with zerosum_as_linear(model):
-        return _recognize(model, cov, bound, inner, n_inner)
+        try:
+            return _recognize(model, cov, bound, inner, n_inner)
+        except (ValueError, TypeError, IndexError, AssertionError) as err:
+            if isinstance(err, UnsupportedModelError):
+                raise
+            found = evaluation_failure(model)
+            if found is None:
+                raise
+            raise found from err
+
+
+def evaluation_failure(model) -> UnsupportedModelError | None:
+    """The error of the first variable whose log density PyMC cannot build or evaluate
+    at the model's initial point, or ``None``.
+
+    A diagnosis after recognition failed inside PyTensor: shapes that do not fit (a
+    Multinomial's ``n`` one row short, ``softmax(eta) @ topics`` with a topics matrix
+    of the wrong shape) raised PyTensor's own errors from deep inside the log density
+    or a compiled check.
+    """
+    try:
+        point = model.initial_point()
+    except Exception as err:  # noqa: BLE001  (the initial point itself fails)
+        return UnsupportedModelError(
+            "initial point",
+            f"the model's initial point cannot be computed ({type(err).__name__}: {_first_line(err)})",
+            "check the shapes of the variables, their data and their initvals",
+        )
+    # the likelihoods first: PyMC builds every log density to compile one, so a bad
+    # data array fails each variable's; the likelihood that reads it is the culprit
+    for rv in [*model.observed_RVs, *model.free_RVs]:
+        try:
+            model.compile_logp(vars=[rv], sum=False)(point)
+        except Exception as err:  # noqa: BLE001  (any failure is the diagnosis)
+            return UnsupportedModelError(
+                rv.name,
+                "its log density cannot be built or evaluated at the model's initial point "
+                f"({type(err).__name__}: {_first_line(err)})",
+                "check the shapes of its data and of the variables in its parameters "
+                "(X @ b needs as many entries in b as X has columns, and every data array "
+                "of a likelihood one row per observation)",
+            )
+    return None
+
+
+def _first_line(err) -> str:
+    return str(err).splitlines()[0] if str(err) else ""
 
 
 def _recognize(model, cov, bound, inner, n_inner) -> TwoLevelModel:
@@ -334,7 +389,8 @@ def check_data(model, gaussian_values) -> None:
 
 
 def _check_observed_data(model, obs):
-    """Empty, NaN or infinite observed data; NaN in data arrays the likelihood reads.
+    """Empty, NaN or infinite observed data; NaN in data arrays the likelihood reads;
+    floats cast to integer indices that are not whole; ``pm.Minibatch`` arrays.
 
     Parameters may legitimately be infinite (censoring and truncation bounds),
     so only NaN is an error outside the observed values.
@@ -342,6 +398,8 @@ def _check_observed_data(model, obs):
     value = model.rvs_to_values.get(obs)
     roots = [obs] if value is None else [obs, value]
     for v in ancestors(roots):
+        if v.owner is not None and isinstance(v.owner.op, MinibatchOp):
+            _check_minibatch(obs, v.owner, value)
         data = None
         if isinstance(v, Constant):
             data = v.data
@@ -366,12 +424,85 @@ def _check_observed_data(model, obs):
                 "remove or impute those entries before building the model",
             )
         if v is not value and data.size > 1 and np.isnan(data).any():
-            what = f"data {v.name!r}" if v.name else f"a data array of shape {data.shape}"
             raise UnsupportedModelError(
                 obs.name,
-                f"{what} that it depends on contains NaN values",
+                f"{_data_label(v, data)} that it depends on contains NaN values",
                 "remove or impute those entries before building the model",
             )
+    _check_constant_index_casts(model, obs)
+
+
+def _check_constant_index_casts(model, obs):
+    """Group codes cast to integers from a float NumPy array (``a[pt.cast(g, "int64")]``)
+    must be whole and finite.
+
+    PyMC's log density folds the cast of a constant into truncated integers (2.5 became
+    group 2) before :func:`~pymc_mcssvi.recognize.likelihood.check_gather_indices`
+    sees it, so the model's own graph is read here; casts of ``pm.Data`` are checked
+    there, on the log density.
+    """
+    free = set(model.free_RVs)
+    for node in io_toposort(list(graph_inputs([obs])), [obs]):
+        if not isinstance(node.op, AdvancedSubtensor):
+            continue
+        x, *index_inputs = node.inputs
+        casts = [c for idx in index_inputs for c in float_to_int_casts(idx)]
+        for cast in casts:
+            if not isinstance(cast, Constant):
+                continue
+            found = [rv for rv in ancestors([x]) if rv in free]
+            # the indexed variables, not their parents (a scale ``sa`` of ``a``)
+            below = {p for rv in found for p in ancestors(rv.owner.inputs)}
+            indexed = [rv.name for rv in found if rv not in below]
+            what = f"it indexes {', '.join(map(repr, indexed))}" if indexed else "it is an index"
+            check_whole(obs.name, _data_label(cast, cast.data), cast.data, what)
+
+
+def _data_label(v, data) -> str:
+    return f"data {v.name!r}" if v.name else f"a data array of shape {np.shape(data)}"
+
+
+def _check_minibatch(obs, node, value):
+    """The arrays of one ``pm.Minibatch`` call must have as many rows, and the ones the
+    likelihood reads no infinite values (NaN is refused with the other data arrays).
+
+    Rows that do not match failed in the first iteration with PyTensor's own
+    ``AssertionError`` ("All variables shape[0] in Minibatch should be equal"); an
+    infinite covariate or observation in the full data was fitted silently (a batch
+    holding it gave a rejected step).
+    """
+    arrays = []
+    for x in node.inputs:
+        if isinstance(x, Constant):
+            arrays.append(np.asarray(x.data))
+        elif isinstance(x, TensorSharedVariable):
+            arrays.append(np.asarray(x.get_value(borrow=True)))
+        else:
+            arrays.append(None)
+    rows = [a.shape[0] for a in arrays if a is not None and a.ndim]
+    if len(set(rows)) > 1:
+        raise UnsupportedModelError(
+            obs.name,
+            f"the arrays of its pm.Minibatch have different numbers of rows ({', '.join(map(str, rows))})",
+            "pass arrays of the same length to pm.Minibatch(X, y, batch_size=...)",
+        )
+    observed = {
+        i for i, out in enumerate(node.outputs) if value is not None and out in ancestors([value])
+    }
+    for i, a in enumerate(arrays):
+        if a is None or a.dtype.kind != "f" or np.all(np.isfinite(a)):
+            continue
+        bad = tuple(int(j) for j in np.argwhere(~np.isfinite(a))[0])
+        if i in observed:
+            reason = "its observed data (the full array of its pm.Minibatch) contain NaN or infinite values"
+        else:
+            reason = (
+                f"a data array of shape {a.shape} it reads through pm.Minibatch holds "
+                f"{a[bad]} (at index {bad})"
+            )
+        raise UnsupportedModelError(
+            obs.name, reason, "remove or impute those entries before building the model"
+        )
 
 
 def _uses_minibatch(model, obs) -> bool:

@@ -72,6 +72,7 @@ from pymc_mcssvi.exceptions import UnsupportedModelError
 from pymc_mcssvi.recognize.affine import linearize
 from pymc_mcssvi.recognize.graph import (
     depends_on_any,
+    float64_constants,
     is_entrywise,
     is_separable,
     lift_gathers,
@@ -206,7 +207,10 @@ def _observed_logps(model):
     obs = list(model.observed_RVs)
     lps = model.logp(vars=obs, sum=False) if obs else []  # one call: each rewrites the graph
     # gathers below element-wise links: invlogit(mu + s * z)[g] reads as a gather GLM
-    return {o: lift_gathers(remove_checks(lp)) for o, lp in zip(obs, lps, strict=True)}
+    return {
+        o: lift_gathers(float64_constants(remove_checks(lp)))
+        for o, lp in zip(obs, lps, strict=True)
+    }
 
 
 def _jittered(point, sd=0.3, seed=0):

@@ -543,3 +543,125 @@ def test_proper_posteriors_with_flat_priors_do_not_warn(kind):
     approx, caught = _fit_warnings(model)
     assert approx.converged
     assert not [m for m in caught if "improper" in m]
+
+
+@pytest.mark.parametrize("written", ["product", "switch"])
+def test_zero_inflation_with_a_bernoulli_local_fits_as_zero_inflated_poisson(written):
+    """``pm.Poisson("y", exp(b) * (1 - z))`` with ``z ~ Bernoulli(0.3)`` per observation
+    (and the same with ``pm.math.switch``): at ``z = 1`` the rate is 0 whatever ``b``,
+    and its derivatives through ``exp(b) * 0`` were NaN, so the fit stopped at its
+    start with a DivergenceError ("not finite at the starting point (ELBO -509.8)").
+    Enumerated, it is the zero-inflated Poisson: the same q as pm.ZeroInflatedPoisson."""
+    import pytensor.tensor as pt
+
+    rng = np.random.default_rng(0)
+    N = 100
+    y = rng.poisson(2.0, N) * (rng.random(N) > 0.3)
+    with pm.Model():
+        b = pm.Normal("b", 0, 1)
+        pm.ZeroInflatedPoisson("y", 0.7, pm.math.exp(b), observed=y)
+        zip_fit = pm.fit(method="hmcssvi", diagnose=False, progressbar=False)
+    with pm.Model() as model:
+        b = pm.Normal("b", 0, 1)
+        z = pm.Bernoulli("z", 0.3, shape=N)
+        if written == "product":
+            mu = pm.math.exp(b) * (1 - z)
+        else:
+            mu = pm.math.switch(pt.eq(z, 1), 0.0, pm.math.exp(b))
+        pm.Poisson("y", mu, observed=y)
+        approx = pm.fit(method="hmcssvi", diagnose=False, progressbar=False)
+    assert pymc_mcssvi.describe(model).role("z").startswith("local")
+    assert approx.converged
+    mean, std = approx.mean_data["b"].values, approx.std_data["b"].values
+    np.testing.assert_allclose(mean, zip_fit.mean_data["b"].values, rtol=1e-6)
+    np.testing.assert_allclose(std, zip_fit.std_data["b"].values, rtol=1e-6)
+
+
+@pytest.mark.parametrize("fault", ["rows", "inf_y", "inf_x"])
+def test_minibatch_arrays_that_do_not_fit_are_named(fault):
+    """pm.Minibatch arrays of different lengths failed in the first iteration with
+    PyTensor's AssertionError; an infinite value in the full arrays was fitted silently
+    (the batches that held it gave rejected steps)."""
+    rng = np.random.default_rng(0)
+    X, y = rng.normal(size=(60, 2)), rng.normal(size=60)
+    if fault == "rows":
+        X = X[:-1]
+    elif fault == "inf_y":
+        y[7] = np.inf
+    else:
+        X[3, 1] = -np.inf
+    Xm, ym = pm.Minibatch(X, y, batch_size=20)
+    with pm.Model():
+        w = pm.Normal("w", 0, 1, shape=2)
+        pm.Normal("y", Xm @ w, 0.5, observed=ym, total_size=60)
+        match = {
+            "rows": r"'y'.*pm.Minibatch have different numbers of rows \(59, 60\)",
+            "inf_y": r"'y'.*observed data .*pm.Minibatch.* NaN or infinite",
+            "inf_x": r"'y'.*through pm.Minibatch holds -inf \(at index \(3, 1\)\)",
+        }[fault]
+        with pytest.raises(UnsupportedModelError, match=match):
+            pm.fit(method="hmcssvi", progressbar=False)
+
+
+def test_group_codes_cast_from_fractional_floats_are_named():
+    """``a[pt.cast(g, "int64")]`` with ``g`` a NumPy float array: PyMC folds the cast of
+    the constant before the index check sees it, so 2.5 became group 2 silently."""
+    import pytensor.tensor as pt
+
+    rng = np.random.default_rng(0)
+    g = rng.integers(0, 4, 40).astype(float)
+    g[3] = 2.5
+    with pm.Model():
+        a = pm.Normal("a", 0, 1, shape=4)
+        pm.Normal("y", a[pt.cast(g, "int64")], 1.0, observed=rng.normal(size=40))
+        with pytest.raises(UnsupportedModelError, match=r"'y'.*not whole numbers \(e.g. 2.5\)"):
+            pm.fit(method="hmcssvi", progressbar=False)
+
+
+def test_multinomial_data_of_the_wrong_length_is_named():
+    """The trials of a Multinomial one row short: PyMC's log density could not be built
+    and PyTensor's "Incompatible Elemwise input shapes" came from inside recognition."""
+    rng = np.random.default_rng(0)
+    counts = rng.multinomial(30, [0.2, 0.3, 0.5], size=20)
+    with pm.Model():
+        eta = pm.Normal("eta", 0, 1, shape=(20, 3))
+        pm.Multinomial(
+            "counts", n=counts.sum(1)[:-1], p=pm.math.softmax(eta, axis=-1), observed=counts
+        )
+        with pytest.raises(UnsupportedModelError, match=r"'counts'.*cannot be built"):
+            pm.fit(method="hmcssvi", progressbar=False)
+
+
+@pytest.mark.parametrize(
+    "option, value",
+    [
+        ("bound", "elbo"),
+        ("inner", "laplace"),
+        ("estimator", "exact"),
+        ("n_points", 0),
+        ("n_draws", 2.5),
+        ("chunk_size", -10),
+        ("bilinear_draws", 0),
+        ("schedule", -0.5),
+        ("rho0", "big"),
+        ("tau", -3.0),
+        ("linear_response", "no"),
+        ("mean_optimizer", "lbfgs"),
+        ("random_seed", "seed"),
+        ("start", {"nope": 1.0}),
+        ("backend", "cuda"),
+        ("blas_threads", 0),
+        ("callbacks", [5]),
+        ("n", True),
+    ],
+)
+def test_bad_options_are_refused_by_name(option, value):
+    """Each of these failed deep inside the fit with an error that named nothing
+    (NumPy's "deg must be a positive integer", a ZeroDivisionError, PyTensor's mode
+    table) or was ignored (``bound="elbo"``, ``n_draws=0``, ``linear_response="no"``)."""
+    with pm.Model():
+        w = pm.Normal("w", 0, 1)
+        pm.Normal("y", w, 1.0, observed=[0.1, 0.2])
+        name = "nope" if option == "start" else option
+        with pytest.raises((ValueError, TypeError), match=rf"^{name}|'{name}'"):
+            pm.fit(method="hmcssvi", progressbar=False, **{option: value})

@@ -34,7 +34,7 @@ from pymc_mcssvi.algorithms.optimizers import make_optimizer
 from pymc_mcssvi.algorithms.rayleigh import RayleighGlobals
 from pymc_mcssvi.algorithms.schedules import Schedule, make_schedule
 from pymc_mcssvi.algorithms.sdsvi import SDSVIStep
-from pymc_mcssvi.algorithms.state import SharedState
+from pymc_mcssvi.algorithms.state import SharedState, tree_map
 from pymc_mcssvi.backend import compile as compile_module
 from pymc_mcssvi.backend.compile import (
     BLAS_THREADS_WORK,
@@ -66,6 +66,7 @@ from pymc_mcssvi.pymc.fit_warnings import (
     warn_split_crossed,
     warn_uncoupled_hypers,
 )
+from pymc_mcssvi.pymc.full_data import full_data_model
 from pymc_mcssvi.pymc.leaves import LeafGroup, initial_leaf_params
 from pymc_mcssvi.pymc.locals import LocalGroup, initial_local_params
 from pymc_mcssvi.pymc.start import data_scaled_factors, evaluation_error, initial_q
@@ -75,6 +76,9 @@ from pymc_mcssvi.recognize.model import check_data, recognize
 from pymc_mcssvi.recognize.rules import MIXED_BILINEAR
 
 __all__ = ["HMCSSVI", "MCSSVI", "SDSVI", "StructuredVI"]
+
+#: Most full-data iterations that end a ``pm.Minibatch`` fit (see ``StructuredVI._polish``).
+POLISH_MAX_ITER = 200
 
 logger = logging.getLogger("pymc_mcssvi")
 
@@ -196,6 +200,14 @@ class StructuredVI(Inference):
         factorizations of millions of ratings, the Monte Carlo path's draws). This
         option forces every such likelihood into chunks of this many observations
         (the same results up to rounding); ``None`` chooses by the memory budget.
+    polish : bool
+        ``pm.Minibatch`` fits: after the stochastic steps, go on from the iterates'
+        average with full-data steps (the same model on all rows, the full-batch
+        schedule and stopping rule; at most 200 iterations, within ``n``), so that
+        the fit lands on the full-batch optimum; ``approx.converged`` is then that
+        rule's verdict. ``False`` keeps the iterate average (within about
+        ``sqrt(N / B) / 10`` posterior sds after the stochastic rule; 0.5-0.6 sd
+        for 20,000 rows in batches of 500).
     """
 
     algorithm_cls = MCSSVIStep
@@ -231,6 +243,7 @@ class StructuredVI(Inference):
         linear_response=None,
         hyper_marginal="profile",
         chunk_size=None,
+        polish=True,
     ):
         #: The constructor's options (what :func:`~pymc_mcssvi.pymc.persist.save` records
         #: to build the same inference again).
@@ -806,6 +819,20 @@ class StructuredVI(Inference):
                 len(self.hist),
                 f" after {result.iterations} iterations",
             )
+        self.state = result.iterations
+        if self._averaged:
+            self._use_average()
+            budget = min(POLISH_MAX_ITER, total - result.iterations)
+            if auto_stop and self.options["polish"] and budget > 0:
+                polished = self._polish(
+                    budget, progressbar, progressbar_theme, backend, blas_threads
+                )
+                if polished is not None:
+                    self.hist = np.concatenate([self.hist, polished.hist])
+                    self.approx.hist = self.hist
+                    self.approx.n_iter = len(self.hist)
+                    scores = polished.hist
+                    result.converged = bool(polished.converged)
         self.approx.converged = result.converged if auto_stop else None
         if auto_stop:
             msg = "converged" if result.converged else "stopped without converging"
@@ -824,9 +851,6 @@ class StructuredVI(Inference):
                     UserWarning,
                     stacklevel=3,
                 )
-        self.state = result.iterations
-        if self._averaged:
-            self._use_average()
         warn_collapsed_scales(self.model, self.tlm, self.kernel, self.store.get())
         warn_improper_posterior(self.model, self.tlm, self.approx)
         approx = self.finish(include_transformed, blas_threads)
@@ -946,6 +970,56 @@ class StructuredVI(Inference):
                 self._average_locations = [*self._average_locations[-1:], self._average.location()]
             except np.linalg.LinAlgError:
                 self._average_locations = []
+
+    def _polish(self, budget, progressbar, progressbar_theme, backend, blas_threads):
+        """Full-data natural steps from the iterates' average of a ``pm.Minibatch`` fit.
+
+        A minibatch step's noise is ``sqrt(N / B)`` posterior sds in its mean (6.3 for
+        batches of 500 of 20,000 rows), so averaging alone needs of the order of
+        ``100 N / B`` steps to come within 0.1 posterior sd; a 20,000-row logistic
+        regression stopped 0.5-0.6 sd off. ``pm.Minibatch`` slices arrays held in
+        memory, so the same model on all rows (:func:`~pymc_mcssvi.pymc.full_data.full_data_model`)
+        is fitted from the average with the full-batch schedule and stopping rule
+        (a few passes over the data, in chunks), and its state replaces this fit's.
+        At most ``budget`` iterations (what is left of ``n``, and at most
+        :data:`POLISH_MAX_ITER`). Returns that fit's approximation (its ``hist`` and
+        ``converged``), or ``None`` when the full data's q has another layout.
+        """
+        full = full_data_model(self.model)
+        options = {
+            **self.options,
+            "polish": False,
+            "schedule": "auto",
+            "rho0": None,
+            "tau": None,
+            "fixed_draws": None,
+            "start": None,
+        }
+        inner = type(self)(full, **options)
+        there = _layout_map(self.tlm, inner.tlm)
+        back = _layout_map(inner.tlm, self.tlm)
+        if there is None or back is None or not inner.kernel.monotone:
+            # another layout, or a bound that is not deterministic (``estimator="mc"``):
+            # the full-batch stopping rule would never be met
+            logger.info("No full-data steps: the full data's q has another layout or bound")
+            return None
+        param = self.algorithm.parameterization
+        start = _moved(inner.store.get(), self.store.get(), there, param)
+        start = start._replace(
+            bound=np.asarray(-np.inf), phase_bounds=np.full_like(start.phase_bounds, -np.inf)
+        )
+        inner.store.set(inner.kernel.reset_candidate(start))
+        approx = inner.fit(
+            n=budget,
+            progressbar=progressbar,
+            progressbar_theme=progressbar_theme,
+            backend=backend,
+            blas_threads=blas_threads,
+            diagnose=False,
+        )
+        end = _moved(self.store.get(), inner.store.get(), back, param)
+        self.store.set(self.kernel.reset_candidate(end))
+        return approx
 
     def _use_average(self):
         """Replace the last iterate of a stochastic fit by the iterates' average
@@ -1109,6 +1183,69 @@ def _check_fit_options(backend, blas_threads, callbacks, compile_kwargs) -> None
                 raise TypeError(
                     f"callbacks must be callables callback(approx, losses, i), got {cb!r}"
                 )
+
+
+def _layout_map(source, target):
+    """Where each coordinate of ``source``'s q (a two-level model) sits in ``target``'s,
+    for the same model's variables: per source segment ``(target segment, row map,
+    column map)``; ``None`` unless the layouts differ only by the order of the
+    segments, of their rows and of the columns within them, and the
+    hyperparameters are the same, in the same order."""
+    if [h.name for h in source.hypers] != [h.name for h in target.hypers]:
+        return None
+    where = {}
+    for t, seg in enumerate(target.segments):
+        for gid in seg.members:
+            name = target.gaussians[gid].name
+            for i, (r, c) in enumerate(zip(seg.row_of[gid], seg.col_of[gid], strict=True)):
+                where[(name, i)] = (t, int(r), int(c))
+    out = []
+    for seg in source.segments:
+        rows, cols, to = np.full(seg.rows, -1), np.full(seg.k, -1), set()
+        for gid in seg.members:
+            name = source.gaussians[gid].name
+            for i, (r, c) in enumerate(zip(seg.row_of[gid], seg.col_of[gid], strict=True)):
+                if (name, i) not in where:
+                    return None
+                t, r2, c2 = where[(name, i)]
+                to.add(t)
+                if rows[r] not in (-1, r2) or cols[c] not in (-1, c2):
+                    return None
+                rows[r], cols[c] = r2, c2
+        t = to.pop() if len(to) == 1 else None
+        if t is None or target.segments[t].rows != seg.rows or target.segments[t].k != seg.k:
+            return None
+        out.append((t, rows, cols))
+    if sorted(t for t, _, _ in out) != list(range(len(target.segments))):
+        return None
+    return out
+
+
+def _moved(state, source, layout, parameterization):
+    """``state`` with q's parameters (Gaussian blocks, hyperparameters) of ``source``,
+    moved to ``state``'s layout by ``layout`` (:func:`_layout_map` from ``source``'s)."""
+    means, factors = list(state.base.means), list(state.base.factors)
+    for (t, rows, cols), m, f in zip(layout, source.base.means, source.base.factors, strict=True):
+        m, f = np.asarray(m), np.asarray(f)
+        new_m = np.empty_like(m)
+        new_m[np.ix_(rows, cols)] = m
+        # the factor's matrix (precision L L^T, or covariance C^T C), permuted, refactored
+        M = (
+            f @ np.swapaxes(f, -1, -2)
+            if parameterization == "precision"
+            else np.swapaxes(f, -1, -2) @ f
+        )
+        moved = np.empty_like(M)
+        moved[rows[:, None, None], cols[None, :, None], cols[None, None, :]] = M
+        L = np.linalg.cholesky(0.5 * (moved + np.swapaxes(moved, -1, -2)))
+        means[t], factors[t] = (
+            new_m,
+            L if parameterization == "precision" else np.swapaxes(L, -1, -2),
+        )
+    state = state._replace(base=state.base._replace(means=tuple(means), factors=tuple(factors)))
+    if source.hyper is not None:
+        state = state._replace(hyper=tree_map(np.array, source.hyper))
+    return state
 
 
 def _data_values(model) -> dict:

@@ -15,6 +15,7 @@ from pymc_mcssvi import models
 from pymc_mcssvi.distributions import Rayleigh
 from pymc_mcssvi.exceptions import DivergenceError, UnsupportedModelError
 from pymc_mcssvi.pymc.approximation import StructuredApproximation
+from pymc_mcssvi.pymc.diagnostics import Diagnosis, PSISWarning
 from pymc_mcssvi.pymc.inference import HMCSSVI, MCSSVI, SDSVI, StructuredVI
 from pymc_mcssvi.pymc.load import load
 from pymc_mcssvi.pymc.persist import SavedFitError
@@ -25,8 +26,10 @@ __all__ = [
     "HMCSSVI",
     "MCSSVI",
     "SDSVI",
+    "Diagnosis",
     "DivergenceError",
     "ModelDescription",
+    "PSISWarning",
     "Rayleigh",
     "SavedFitError",
     "StructuredApproximation",

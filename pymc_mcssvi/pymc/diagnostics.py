@@ -71,8 +71,9 @@ KHAT_TRUSTWORTHY = 0.7
 #: (and no minibatches or integrated-out locals): above it, k-hat of a joint
 #: importance ratio grows with the dimension even when each marginal is right.
 AUTO_MAX_COORDINATES = 100
-#: ... and at most this many observed values (1,000 draws of the joint density).
-AUTO_MAX_DATA = 200_000
+#: ... and at most this many observed values times q's coordinates (per draw of the
+#: joint density: a 50,000 x 100 GLM's diagnosis took 9.6 s after a 3.4 s fit).
+AUTO_MAX_WORK = 2_000_000
 #: Compile mode of the draws and the joint density: one call each on a batch of draws,
 #: so the rewrites of a full compile would cost more than they save.
 DIAGNOSE_MODE = Mode(linker="py", optimizer=None)
@@ -217,7 +218,11 @@ def diagnose(approx, draws: int = 1000, *, random_seed=None) -> Diagnosis:
             "its data through pm.Minibatch: build the same model on the full data "
             "(without pm.Minibatch), pm.fit it with start=approx, and diagnose that fit"
         )
-    seed = np.random.SeedSequence(random_seed)
+    seed = (
+        random_seed
+        if isinstance(random_seed, np.random.SeedSequence)
+        else np.random.SeedSequence(random_seed)
+    )
     with graph_building(), _views_off(approx), approx.fitted_data():
         points, log_q = _draw_with_density(approx, draws, np.random.default_rng(seed))
         log_p = _joint_log_density(approx, points)
@@ -248,8 +253,9 @@ def after_fit(approx, policy, random_seed=None):
 
     ``True`` diagnoses every fit (an error if it cannot), ``False`` none, and
     ``"auto"`` small ones that it can (:data:`AUTO_MAX_COORDINATES`,
-    :data:`AUTO_MAX_DATA`). A fit whose k-hat is 0.7 or more warns
-    (:class:`PSISWarning`). The diagnosis is kept as ``approx.diagnosis``.
+    :data:`AUTO_MAX_WORK`) whose draws come from the Gaussian q; its warning
+    needs k-hat of 0.7 or more in two independent sets of draws. A fit whose
+    k-hat is 0.7 or more warns (:class:`PSISWarning`). The diagnosis is kept as ``approx.diagnosis``.
     """
     if policy is False:
         return None
@@ -259,8 +265,15 @@ def after_fit(approx, policy, random_seed=None):
         # an unconverged fit has said so already
         if approx.converged is False or not _cheap(approx):
             return None
+        seeds = np.random.SeedSequence(random_seed).spawn(2)
         try:
-            found = diagnose(approx, random_seed=random_seed)
+            found = diagnose(approx, random_seed=seeds[0])
+            if not found.trustworthy:
+                # k-hat of 1,000 draws crossed 0.7 on 5 of 100 seeds of a logistic
+                # regression whose q matches NUTS: a second, independent set confirms
+                again = diagnose(approx, random_seed=seeds[1])
+                if again.trustworthy:
+                    return again
         except Exception as err:  # a model whose joint density PyTensor cannot batch
             logger.info(f"diagnose='auto' skipped the PSIS diagnosis: {err}")
             return None
@@ -278,8 +291,14 @@ def _cheap(approx) -> bool:
     groups = approx.groups
     if any(g.short_name == LOCALS for g in groups) or _uses_minibatch(approx.model):
         return False
+    if _view_flags(approx) and any(int(f.get_value()) for f in _view_flags(approx)):
+        # ``approx.sample`` draws from the post-fit tables (skewed q(h), q(w | h) per
+        # draw), not from the Gaussian the diagnosis checks: a centered radon model
+        # warned at k-hat 1.04 while its draws were within 0.05 NUTS sd
+        return False
     coords = sum(g.ddim for g in groups if g.short_name in (GAUSSIAN, RAYLEIGH))
-    return coords <= AUTO_MAX_COORDINATES and _data_size(approx.model) <= AUTO_MAX_DATA
+    work = _data_size(approx.model) * max(coords, 1)
+    return coords <= AUTO_MAX_COORDINATES and work <= AUTO_MAX_WORK
 
 
 def _psis(ratios: np.ndarray) -> tuple[float, np.ndarray]:
@@ -304,15 +323,21 @@ def _uses_minibatch(model) -> bool:
     return False
 
 
-@contextlib.contextmanager
-def _views_off(approx):
-    """Switch the post-fit tables of the Gaussian groups off for the block."""
+def _view_flags(approx) -> list:
+    """The ``on`` switches of the Gaussian groups' post-fit tables."""
     flags = []
     for g in approx.groups:
         if g.short_name == GAUSSIAN:
             for part in (g.marginal, g.grid, g.view):
                 if part is not None:
                     flags.append(part[0])
+    return flags
+
+
+@contextlib.contextmanager
+def _views_off(approx):
+    """Switch the post-fit tables of the Gaussian groups off for the block."""
+    flags = _view_flags(approx)
     saved = [f.get_value() for f in flags]
     for f in flags:
         f.set_value(np.int8(0))
@@ -331,7 +356,15 @@ def _draw_with_density(approx, draws: int, rng) -> tuple[dict, np.ndarray]:
     outputs = graph_replace([g.symbolic_random for g in groups], replace, strict=False)
     values = [rng.standard_normal((draws, g.ddim)) for g in groups]
     fn = pytensor.function(eps, outputs, on_unused_input="ignore", mode=DIAGNOSE_MODE)
-    flat = [np.asarray(x, dtype=np.float64) for x in fn(*values)]
+    # the blocks' draws hold draws x rows x K x K intermediates: a batch at a time
+    widest = max([seg.k for g in groups if g.short_name == GAUSSIAN for seg in g.segments] or [1])
+    per_draw = 8 * widest * sum(g.ddim for g in groups)
+    batch = max(1, min(draws, BATCH_BYTES // max(per_draw, 1)))
+    parts = [fn(*[v[lo : lo + batch] for v in values]) for lo in range(0, draws, batch)]
+    flat = [
+        np.concatenate([np.asarray(p[i], dtype=np.float64) for p in parts])
+        for i in range(len(groups))
+    ]
     log_q = np.zeros(draws)
     for g, e, x in zip(groups, values, flat, strict=True):
         if g.short_name == GAUSSIAN:

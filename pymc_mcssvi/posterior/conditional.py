@@ -295,7 +295,7 @@ class ConditionalGlobals:
         spec = self.kernel.hypers.spec
         names = [v.name for v in spec.values]
         n = int(np.asarray(samples[names[0]]).shape[0])
-        if not self.affordable(1) and self.nodes is None:
+        if not self.affordable(n) and self.nodes is None:
             return {}
         first = [np.asarray(samples[nm], dtype="float64")[[0, min(1, n - 1)]] for nm in names]
         g = self.group
@@ -309,7 +309,10 @@ class ConditionalGlobals:
                 # A gridded q(h): q(w | h) interpolated between its nodes, each an exact
                 # re-fit, is as close to NUTS as a re-fit at every draw and far cheaper
                 self._draw_from_nodes(samples, names, n, rng, flat, keep)
-            elif self.affordable(1, first):
+            elif self.affordable(n, first):
+                # all draws within the budget (else the linear-response view draws them
+                # all, as it always did): the first ``max_refit_draws`` (spread over
+                # q(h)) are re-fitted, the rest move the nearest one
                 size = int(max(1, min(n, SETTINGS.refit_batch_bytes // self._measure(first)[0])))
                 self._draw(
                     samples, names, n, min(size, SETTINGS.refit_batch_draws), rng, flat, keep

@@ -98,9 +98,13 @@ def start_not_finite(model, cand_bound, approx, iteration, tried: str = "") -> D
     """The error of a fit whose bound was never finite: where the observed variables'
     log densities are not finite at the initial point (data outside the likelihood's
     support, e.g. a negative count), and what to check."""
+    what = (
+        f"The ELBO's derivatives are not finite at the starting point (the ELBO is, {cand_bound})"
+        if np.isfinite(cand_bound)
+        else f"The ELBO is not finite at the starting point ({cand_bound})"
+    )
     return DivergenceError(
-        "The ELBO or its derivatives are not finite at the starting point (ELBO "
-        f"{cand_bound}),{tried}. "
+        f"{what},{tried}. "
         f"{start_diagnosis(model)}Check the observed data against the likelihood's "
         "support, the `start` values, and expressions whose derivatives are not "
         "finite where q puts mass (x ** 0 at x = 0, sqrt(x) at 0); a smaller "

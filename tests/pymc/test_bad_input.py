@@ -665,3 +665,15 @@ def test_bad_options_are_refused_by_name(option, value):
         name = "nope" if option == "start" else option
         with pytest.raises((ValueError, TypeError), match=rf"^{name}|'{name}'"):
             pm.fit(method="hmcssvi", progressbar=False, **{option: value})
+
+
+def test_start_error_says_whether_the_bound_or_its_derivatives_are_not_finite():
+    """A finite ELBO with non-finite derivatives was reported as "not finite at the
+    starting point (ELBO -509.8)", which contradicted itself."""
+    from pymc_mcssvi.pymc.fit_loop import start_not_finite
+
+    with pm.Model() as m:
+        pm.Normal("y", pm.Normal("mu"), 1.0, observed=[0.0])
+    finite = str(start_not_finite(m, -509.8, None, 3))
+    assert "derivatives are not finite" in finite and "the ELBO is, -509.8" in finite
+    assert "ELBO is not finite" in str(start_not_finite(m, -np.inf, None, 3))

@@ -29,6 +29,9 @@ import json
 import os
 import platform
 import re
+import subprocess
+import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -516,3 +519,31 @@ def log(msg):
 def log_spaced(n_max, k):
     """About ``k`` distinct integers from 1 to ``n_max``, spaced geometrically."""
     return np.unique(np.round(np.geomspace(1, max(2, n_max), k)).astype(int))
+
+
+def vmhwm_mb() -> float:
+    """Peak resident memory of this process so far (``VmHWM``, MB; NaN where unavailable)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return float("nan")
+
+
+def run_worker(script, args, label: dict, timeout: float, env=None) -> dict:
+    """``python script --worker ARGS --out <json>`` in a process of its own (its own
+    ``VmHWM``): the JSON it wrote, or ``label`` with the error when it timed out or
+    wrote nothing."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "out.json"
+        cmd = [sys.executable, str(Path(script).resolve()), "--worker", *args, "--out", str(path)]
+        try:
+            subprocess.run(cmd, check=False, timeout=timeout, env=env)
+        except subprocess.TimeoutExpired:
+            return {**label, "error": f"timed out after {timeout:.0f} s"}
+        if not path.exists():
+            return {**label, "error": "the worker wrote no result (killed?)"}
+        return json.loads(path.read_text())

@@ -39,20 +39,14 @@ import sys
 import time
 from pathlib import Path
 
+from common import vmhwm_mb
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 RESULTS = HERE / "results" / "memory.json"
 CASES = ["pmf_synth_full", "insteval_ordinal_full", "ctm_learned_topics"]
 #: Iterations timed after the first (which includes compilation).
 ITERATIONS = {"pmf_synth_full": 2, "insteval_ordinal_full": 4, "ctm_learned_topics": 3}
-
-
-def vmhwm_mb() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 def _pmf_model(name):

@@ -36,9 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import subprocess
 import sys
-import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -47,7 +45,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
-from common import fmt, log  # noqa: E402
+from common import fmt, log, vmhwm_mb  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -60,15 +58,6 @@ ADVI_N = 20_000
 NUTS = dict(chains=2, tune=1000, draws=1000, cores=2)
 METHODS = ("nuts", "hmcssvi", "hmcssvi_nopolish", "hmcssvi_full", "advi")
 WORKER_TIMEOUT = 1800.0
-
-
-def vmhwm_mb() -> float:
-    """Peak resident memory of this process so far (``VmHWM``, MB)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 def build_model(minibatch: bool):
@@ -178,26 +167,6 @@ def worker_main(method: str, path: str) -> None:
         traceback.print_exc()
         res = {"method": method, "error": f"{type(e).__name__}: {str(e)[:300]}"}
     common.save_json(res, path)
-
-
-def run_worker(method: str) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "out.json"
-        cmd = [
-            sys.executable,
-            str(Path(__file__).resolve()),
-            "--worker",
-            method,
-            "--out",
-            str(path),
-        ]
-        try:
-            subprocess.run(cmd, check=False, timeout=WORKER_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            return {"method": method, "error": f"timed out after {WORKER_TIMEOUT:.0f} s"}
-        if not path.exists():
-            return {"method": method, "error": "the worker wrote no result (killed?)"}
-        return json.loads(path.read_text())
 
 
 def compare(results: dict) -> None:
@@ -384,7 +353,9 @@ def main(argv=None):
         t0 = time.perf_counter()
         for m in names:
             log(m)
-            results["methods"][m] = r = run_worker(m)
+            results["methods"][m] = r = common.run_worker(
+                __file__, [m], {"method": m}, WORKER_TIMEOUT
+            )
             if r.get("error"):
                 log(f"  error: {r['error']}")
             else:

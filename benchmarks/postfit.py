@@ -41,9 +41,7 @@ import argparse
 import functools
 import json
 import logging
-import subprocess
 import sys
-import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -54,7 +52,7 @@ from scipy.special import expit
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
-from common import fmt, log  # noqa: E402
+from common import fmt, log, vmhwm_mb  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -65,15 +63,6 @@ NUTS = dict(chains=2, tune=1000, draws=1000, cores=2)
 CASES = ("ordinal", "glmm", "glmm_nuts", "mixture", "mixture_nuts")
 WORKER_TIMEOUT = 1800.0
 N_GROUPS, PER_GROUP, TRIALS = 400, 5, 10
-
-
-def vmhwm_mb() -> float:
-    """Peak resident memory of this process so far (``VmHWM``, MB)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 # ============================================================================ models
@@ -316,19 +305,6 @@ def worker_main(name: str, path: str) -> None:
     common.save_json(res, path)
 
 
-def run_worker(name: str) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "out.json"
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", name, "--out", str(path)]
-        try:
-            subprocess.run(cmd, check=False, timeout=WORKER_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            return {"case": name, "error": f"timed out after {WORKER_TIMEOUT:.0f} s"}
-        if not path.exists():
-            return {"case": name, "error": "the worker wrote no result (killed?)"}
-        return json.loads(path.read_text())
-
-
 # ============================================================================ report
 def _ms(v) -> str:
     return "–" if v is None else f"{v:.3f}" if v < 1 else f"{v:.2f}"
@@ -564,7 +540,9 @@ def main(argv=None):
         t0 = time.perf_counter()
         for name in names:
             log(name)
-            results["cases"][name] = r = run_worker(name)
+            results["cases"][name] = r = common.run_worker(
+                __file__, [name], {"case": name}, WORKER_TIMEOUT
+            )
             log(
                 f"  fit {fmt(r.get('fit_s'), '.2f')} s, nuts {fmt(r.get('nuts_s'), '.1f')} s, "
                 f"peak {fmt(r.get('peak_mb'), '.0f')} MB"

@@ -69,7 +69,6 @@ import hashlib
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -581,18 +580,9 @@ def run_worker(name: str, reuse_nuts: bool, checkout: str) -> dict:
     ``pymc_mcssvi`` from ``checkout``."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (checkout, env.get("PYTHONPATH")) if p)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "out.json"
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", name, "--out", str(path)]
-        cmd += ["--reuse-nuts"] if reuse_nuts else []
-        t0 = time.perf_counter()
-        try:
-            subprocess.run(cmd, check=False, timeout=WORKER_TIMEOUT, env=env)
-        except subprocess.TimeoutExpired:
-            return {"case": name, "error": f"timed out after {WORKER_TIMEOUT:.0f} s"}
-        if not path.exists():
-            return {"case": name, "error": "the worker wrote no result (killed?)"}
-        res = json.loads(path.read_text())
+    args = [name, *(["--reuse-nuts"] if reuse_nuts else [])]
+    t0 = time.perf_counter()
+    res = common.run_worker(__file__, args, {"case": name}, WORKER_TIMEOUT, env=env)
     res["worker_s"] = time.perf_counter() - t0
     return res
 

@@ -238,7 +238,7 @@ class ConditionalGlobals:
             self._fn = self._compile()
         state = self.store.get(borrow=True)
         n = hs[0].shape[0]
-        flat_h = np.concatenate([h.reshape(n, -1) for h in hs], axis=1)
+        flat_h = _flat_h(hs)
         if start is None:
             dh = flat_h - state.hyper.base_mean[0]
             means = [
@@ -392,9 +392,7 @@ class ConditionalGlobals:
         the means multilinearly, the noise ``L^{-T} e`` with the same ``e`` at every
         corner."""
         nodes, g = self.nodes, self.group
-        H = np.concatenate(
-            [np.asarray(samples[nm], dtype="float64").reshape(n, -1) for nm in names], axis=1
-        )
+        H = _flat_h([np.asarray(samples[nm], dtype="float64") for nm in names])
         keep[:] = ~np.all(np.isfinite(H), axis=1)
         H = np.where(keep[:, None], nodes.centre, H)
         corners = node_corners(nodes.index, (H - nodes.centre) / nodes.scales)

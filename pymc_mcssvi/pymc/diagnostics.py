@@ -40,17 +40,16 @@ import numpy as np
 import pytensor
 import pytensor.tensor as pt
 from arviz_stats.base import array_stats
-from pymc.data import MinibatchOp
 from pymc.variational.minibatch_rv import MinibatchRandomVariable
 from pytensor.compile.mode import Mode
 from pytensor.compile.sharedvalue import SharedVariable
 from pytensor.graph.replace import graph_replace, vectorize_graph
-from pytensor.graph.traversal import ancestors
 from pytensor.tensor.variable import TensorConstant
 from scipy.special import logsumexp
 
 from pymc_mcssvi.backend.modes import graph_building
 from pymc_mcssvi.recognize.graph import checks_to_ninf
+from pymc_mcssvi.recognize.model import uses_minibatch
 
 __all__ = ["KHAT_TRUSTWORTHY", "Diagnosis", "PSISWarning", "after_fit", "diagnose"]
 
@@ -312,15 +311,10 @@ def _psis(ratios: np.ndarray) -> tuple[float, np.ndarray]:
 
 def _uses_minibatch(model) -> bool:
     """Whether any observed variable reads its data through ``pm.Minibatch``."""
-    for obs in model.observed_RVs:
-        if isinstance(obs.owner.op, MinibatchRandomVariable):
-            return True
-        value = model.rvs_to_values.get(obs)
-        if value is not None and any(
-            v.owner is not None and isinstance(v.owner.op, MinibatchOp) for v in ancestors([value])
-        ):
-            return True
-    return False
+    return any(
+        isinstance(obs.owner.op, MinibatchRandomVariable) or uses_minibatch(model, obs)
+        for obs in model.observed_RVs
+    )
 
 
 def _view_flags(approx) -> list:

@@ -73,6 +73,7 @@ __all__ = [
     "evaluation_failure",
     "general_reads",
     "recognize",
+    "uses_minibatch",
 ]
 
 #: Largest Gaussian dimension the Monte Carlo + autodiff path accepts (it forms D x D Hessians).
@@ -207,7 +208,7 @@ def _recognize(model, cov, bound, inner, n_inner) -> TwoLevelModel:
         scaling[obs.name] = _scaling(model, obs)
         if isinstance(obs.owner.op, MinibatchRandomVariable):
             minibatch = True
-        elif _uses_minibatch(model, obs):
+        elif uses_minibatch(model, obs):
             minibatch = True
             warnings.warn(
                 f"Observed variable {obs.name!r} uses pm.Minibatch data but has no `total_size`: "
@@ -505,7 +506,8 @@ def _check_minibatch(obs, node, value):
         )
 
 
-def _uses_minibatch(model, obs) -> bool:
+def uses_minibatch(model, obs) -> bool:
+    """Whether the observed data of ``obs`` come through ``pm.Minibatch``."""
     value = model.rvs_to_values.get(obs)
     if value is None:
         return False

@@ -16,6 +16,11 @@ same conventions, implemented here:
 * **Reporting**: :func:`machine_info`, :func:`library_versions`,
   :func:`markdown_table`, :func:`write_section` (replace one marked section of
   ``docs/benchmarks.md``) and :func:`save_json`.
+* **Provenance**: :func:`run_record` (commit, date, machine, load average and
+  mode), stored under the key ``"run"`` with every data set and every method /
+  run entry of a results file, so that entries merged from different runs
+  still say where they come from (``docs/scripts/paper_reproduction.py`` prints
+  it on the paper-reproduction page).
 
 Times are ``time.perf_counter()`` seconds. Nothing here imports PyMC, so the
 helpers work for NumPyro runs as well.
@@ -57,7 +62,9 @@ __all__ = [
     "moment_errors",
     "moving_average",
     "plateau",
+    "run_record",
     "save_json",
+    "set_run_mode",
     "time_to_within",
     "write_section",
 ]
@@ -496,6 +503,46 @@ def code_state() -> dict:
     except OSError:
         pass
     return out
+
+
+_RUN_MODE: str | None = None
+
+
+def set_run_mode(mode: str | None) -> None:
+    """The mode :func:`run_record` stores from now on (``"full"`` or ``"quick"``)."""
+    global _RUN_MODE
+    _RUN_MODE = mode
+
+
+def run_record(mode: str | None = None, **extra) -> dict:
+    """Where and when a result was measured, for the ``"run"`` key of a results entry.
+
+    ``commit`` (short hash of HEAD), ``plugin_dirty`` (uncommitted changes under
+    ``pymc_mcssvi/``) and ``plugin_sources_sha1`` from :func:`code_state`;
+    ``date`` (local time, :func:`today`); ``machine`` (:func:`machine_info`
+    without its load); ``loadavg`` (1, 5 and 15 minutes, now); ``mode``
+    (``"full"`` or ``"quick"``: the argument, else the one set with
+    :func:`set_run_mode`); and any ``extra`` keys. Call it when the entry's
+    measurement starts: every data set and every method / run entry of a
+    results file carries one, so that entries merged from several runs keep
+    their own provenance.
+    """
+    code = code_state()
+    machine = machine_info()
+    load = machine.pop("loadavg", None)
+    rec = {
+        "commit": code.get("commit"),
+        "plugin_dirty": code.get("plugin_dirty"),
+        "plugin_sources_sha1": code.get("plugin_sources_sha1"),
+        "date": today(),
+        "machine": machine,
+        "loadavg": load,
+    }
+    mode = mode if mode is not None else _RUN_MODE
+    if mode is not None:
+        rec["mode"] = mode
+    rec.update(extra)
+    return rec
 
 
 def loadavg():

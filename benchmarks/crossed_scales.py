@@ -43,6 +43,7 @@ from common import (  # noqa: E402
     log,
     machine_info,
     markdown_table,
+    run_record,
     save_json,
     today,
     write_section,
@@ -86,6 +87,7 @@ def exact_type2_map(s, d, y):
 
 
 def fit(model, names, **kw):
+    record = run_record("full")
     t = time.perf_counter()
     with warnings.catch_warnings(), model:
         warnings.simplefilter("ignore")
@@ -97,7 +99,13 @@ def fit(model, names, **kw):
         r["name"]: r["q"]
         for r in pymc_mcssvi.describe(model, show=False, **kw_layout(kw)).variables
     }
-    return {"wall": wall, "iterations": approx.n_iter, "moments": moments, "layout": layout}
+    return {
+        "wall": wall,
+        "iterations": approx.n_iter,
+        "moments": moments,
+        "layout": layout,
+        "run": record,
+    }
 
 
 def kw_layout(kw):
@@ -119,14 +127,20 @@ def dense_crossed(G=1500, K=8, N=10_000, seed=7):
 
 def main():
     results = {"machine": machine_info(), "versions": library_versions(), "code": code_state()}
+    # provenance of the file and of each data set ("sparse_<per>", "dense"); every
+    # method entry carries its own "run" as well
+    results["run"] = run_record("full")
+    results["dataset_runs"] = {}
     rows, sparse = [], {}
     layouts = {"arrow": {"cov": {"z_s": "diag"}}, "full": {"cov": "full"}, "auto": {}}
     for per in (2, 4, 8):
+        results["dataset_runs"][f"sparse_{per}"] = run_record("full")
         m, s, d, y = sparse_crossed(per)
         res = {name: fit(m, SCALES, **kw) for name, kw in layouts.items()}
         ref = res["full"]["moments"]["sigma_s"]
         if per == 2:
             log("NUTS on the 2-rating data")
+            nuts_record = run_record("full")
             with m:
                 idata = pm.sample(
                     2000, tune=1500, chains=4, cores=2, random_seed=1, progressbar=False
@@ -135,7 +149,8 @@ def main():
                 "moments": {
                     v: (float(idata.posterior[v].mean()), float(idata.posterior[v].std()))
                     for v in SCALES
-                }
+                },
+                "run": nuts_record,
             }
             exact = exact_type2_map(s, d, y)
             point = {}
@@ -170,6 +185,7 @@ def main():
             )
         log(f"{per} ratings per student done")
     results["sparse"] = sparse
+    results["dataset_runs"]["dense"] = run_record("full")
     dense = dense_crossed()
     dres = {
         name: fit(

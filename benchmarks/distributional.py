@@ -43,6 +43,9 @@ import pymc as pm
 import pymc_mcssvi
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from common import run_record  # noqa: E402
+
 START, END = "<!-- distributional:start -->", "<!-- distributional:end -->"
 
 
@@ -140,7 +143,12 @@ def _fit(model, method, n=None):
 def run_model(name):
     model = MODELS[name](np.random.default_rng(2026))
     names = [v.name for v in model.free_RVs]
-    out = {"predictor": pymc_mcssvi.describe(model).predictor("y"), "methods": {}}
+    out = {
+        "predictor": pymc_mcssvi.describe(model).predictor("y"),
+        "methods": {},
+        "run": run_record("full"),
+    }
+    nuts_record = run_record("full")
     t = time.perf_counter()
     with model, warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -149,12 +157,13 @@ def run_model(name):
     ref = _flat(idata, names)
     ref_m, ref_s = ref.mean(0), ref.std(0)
     div = int(idata.sample_stats["diverging"].sum())
-    out["methods"]["NUTS"] = {"seconds": nuts_s, "divergences": div}
+    out["methods"]["NUTS"] = {"seconds": nuts_s, "divergences": div, "run": nuts_record}
     for label, method, n in (
         ("H-MC-SSVI", "hmcssvi", None),
         ("ADVI", "advi", 30000),
         ("FullRankADVI", "fullrank_advi", 20000),
     ):
+        record = run_record("full")
         approx, secs = _fit(model, method, n)
         draws = _flat(approx.sample(4000, random_seed=3), names)
         z = np.abs(draws.mean(0) - ref_m) / ref_s
@@ -164,6 +173,7 @@ def run_model(name):
             "max_z": float(z.max()),
             "sd_ratio": [float(r.min()), float(r.max())],
             "mean_abs_sd_error": float(np.mean(np.abs(r - 1))),
+            "run": record,
         }
         print(name, label, f"{secs:.1f} s, max z {z.max():.2f}, sd {r.min():.2f}-{r.max():.2f}")
     print(name, "NUTS", f"{nuts_s:.1f} s, {div} divergences")

@@ -303,6 +303,7 @@ def fit_pymc(model, method, n, seed, *, every=1, first=0, **kwargs):
 
 def run_structured(model, method, cfg, seed, max_iter, name, fit_kwargs):
     run = Run(name, "structured")
+    run.extra["run"] = common.run_record()
     every = 1 if method != "sdsvi" else max(1, max_iter // cfg["checkpoints"])
     log(f"{run.name}: cold fit (n=None, max_iter={max_iter}, {fit_kwargs or 'defaults'})")
     approx, rec, wall, err = fit_pymc(
@@ -363,6 +364,7 @@ def run_pymc_vi(name, spec_model, fallback_model, method, n, cfg, seed, obj_opti
         if model is None:
             continue
         log(f"{name}: {n} iterations on the {label} model")
+        record = common.run_record()
         approx, rec, wall, err = fit_pymc(model, method, n, seed, every=every, **kwargs)
         if err is None:
             run.rec, run.wall = rec, wall
@@ -371,7 +373,7 @@ def run_pymc_vi(name, spec_model, fallback_model, method, n, cfg, seed, obj_opti
             run.evaluate = make_evaluator(approx)
             run.final = run.evaluate()
             run.extra["model"] = label
-            run.extra.update(cpu=rec.cpu, load=rec.load)
+            run.extra.update(cpu=rec.cpu, load=rec.load, run=record)
             log(f"{name}: done in {wall:.1f} s, final loss {np.mean(run.hist[-100:]):.6g}")
             return run
         run.notes.append(f"{label} model: {err} after {len(rec.times)} iterations ({wall:.1f} s)")
@@ -417,6 +419,7 @@ def run_numpyro(name, data, cfg, seed, lr, steps, chunk):
     Xj, yj = jnp.asarray(data.X), jnp.asarray(data.y)
     every = max(1, (steps // chunk) // cfg["checkpoints"])
     run = Run(name, "numpyro")
+    run.extra["run"] = common.run_record()
 
     def fit(n_steps, snapshots=True):
         load0, c0 = loadavg(), time.process_time()
@@ -517,6 +520,7 @@ def run_nuts(model, cfg, seed, key, reuse):
     import arviz as az
     import pymc as pm
 
+    record = common.run_record()
     log(f"NUTS: {cfg['nuts_tune']} tune + {cfg['nuts_draws']} draws, 2 chains, 2 cores")
     load0 = loadavg()
     t0 = time.perf_counter()
@@ -551,7 +555,7 @@ def run_nuts(model, cfg, seed, key, reuse):
         f"NUTS: {wall:.1f} s, divergences {int(out['divergences'])}, r_hat max {float(out['rhat_max']):.3f}, "
         f"ESS min {float(out['ess_min']):.0f}"
     )
-    return out | {"cached": False}
+    return out | {"cached": False, "run": record}
 
 
 def time_step(model, data, seed, reps):
@@ -1091,6 +1095,8 @@ def _main(args, cfg, tmp_cache):
     import pymc_mcssvi  # registers the fit methods
 
     seed = args.seed
+    common.set_run_mode("quick" if args.quick else "full")
+    record = common.run_record()
     load_start = common.machine_info().get("loadavg")
     meta = {
         "date": common.today(),
@@ -1192,6 +1198,8 @@ def _main(args, cfg, tmp_cache):
         if k != "draws"
     }
     nuts_summary["nll"] = nll_nuts
+    # cached draws: the record of this run (the draws' own run is not stored in the cache)
+    nuts_summary.setdefault("run", common.run_record())
     log(f"NUTS held-out NLL {nll_nuts:.6f}")
 
     # ---------------------------------------------------------- analysis
@@ -1357,6 +1365,7 @@ def _main(args, cfg, tmp_cache):
         )
     results = {
         "meta": meta,
+        "run": record,
         "methods": methods,
         "nuts": nuts_summary,
         "optimum": optimum,

@@ -408,6 +408,7 @@ def fit(model, method, n=None, seed=1, inf_kwargs=None, **kwargs):
     """
     import pymc as pm
 
+    record = common.run_record()
     rec = IterationRecorder()
     err, approx, tb = None, None, None
     with warnings.catch_warnings(record=True) as caught:
@@ -444,6 +445,7 @@ def fit(model, method, n=None, seed=1, inf_kwargs=None, **kwargs):
         "error": err,
         "traceback": tb,
         "warnings": ws,
+        "run": record,
     }
 
 
@@ -459,6 +461,7 @@ def run_structured(model, name, cfg, seed):
         "error": f["error"],
         "warnings": f["warnings"],
         "max_iter": max_iter,
+        "run": f["run"],
     }
     if f["error"]:
         res["traceback"] = f["traceback"]
@@ -517,6 +520,7 @@ def run_pymc_vi(model, name, cfg, seed):
         "wall": f["wall"],
         "error": f["error"],
         "warnings": f["warnings"],
+        "run": f["run"],
     }
     if f["error"]:
         res["traceback"] = f["traceback"]
@@ -567,11 +571,13 @@ def run_nuts(model, data, centered, cfg, seed, key, reuse):
         draws = {k[2:]: z[k] for k in z.files if k.startswith("d_")}
         stats = {k[2:]: z[k].item() for k in z.files if k.startswith("s_")}
         log(f"  NUTS ({tag}): reusing {path.name}")
-        return draws, stats | {"cached": True}
+        # the record of this run (the cached draws' own run is not stored with them)
+        return draws, stats | {"cached": True, "run": common.run_record()}
     log(
         f"  NUTS ({tag}): {cfg['nuts_tune']} tune + {cfg['nuts_draws']} draws, "
         f"{cfg['nuts_chains']} chains"
     )
+    record = common.run_record()
     t0 = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -618,7 +624,7 @@ def run_nuts(model, data, centered, cfg, seed, key, reuse):
         f"{max(stats['rhat_max_fixed'], stats['rhat_max_scales']):.3f}, ESS min fixed "
         f"{stats['ess_min_fixed']:.0f} / scales {stats['ess_min_scales']:.0f}"
     )
-    return draws, stats | {"cached": False}
+    return draws, stats | {"cached": False, "run": record}
 
 
 # ============================================================================ accuracy
@@ -859,6 +865,7 @@ def choose_reference(variants):
 
 
 def run_dataset(name, cfg, seed, args):
+    record = common.run_record()
     data = LOADERS[name](seed)
     info = {
         "formula": data.formula,
@@ -897,7 +904,7 @@ def run_dataset(name, cfg, seed, args):
         info["exact_check"] = [
             r for c in (False, True) for r in radon_exact_check(data, c, cfg, seed)
         ]
-    return {"info": info, "variants": variants}
+    return {"info": info, "variants": variants, "run": record}
 
 
 # ============================================================================ targets
@@ -1471,6 +1478,7 @@ def process_warmup() -> float:
 def _main(args, cfg, tmp_cache):
     import pymc_mcssvi  # noqa: F401  (registers the methods)
 
+    common.set_run_mode("quick" if args.quick else "full")
     meta = {
         "date": common.today(),
         "machine": common.machine_info(),

@@ -318,6 +318,7 @@ def run_structured(
 ):
     """One cold fit of a pymc_mcssvi method; times include recognition and compilation."""
     log(f"{run.name}: fit (max_iter={max_iter}, {inf_kwargs or 'defaults'})")
+    run.extra["run"] = common.run_record()
     holder = {}
 
     def snap(approx):
@@ -379,6 +380,7 @@ def run_advi(run, model, cfg, seed):
 
     n = cfg["advi_iters"]
     log(f"{run.name}: pm.fit(n={n}, method='advi', backend='numba')")
+    run.extra["run"] = common.run_record()
     holder = {}
 
     def snap(approx):
@@ -508,7 +510,13 @@ def nuts_check(cfg, seed):
     )
     X, y = data["X"], data["y"]
     model = pymc_mcssvi.models.gme(X, y, prior_sd=data["prior_sd"], tau=cfg["tau"])
-    out = {"n": len(y), "d": X.shape[1], "w1_true": data["w1"], "w2_true": data["w2"]}
+    out = {
+        "n": len(y),
+        "d": X.shape[1],
+        "w1_true": data["w1"],
+        "w2_true": data["w2"],
+        "run": common.run_record(),
+    }
     log(f"NUTS check: N={len(y)}, D={X.shape[1]}, true w2={data['w2']:.3f}")
     t0 = time.perf_counter()
     with model:
@@ -947,6 +955,8 @@ def _main(args, cfg):
     import pymc_mcssvi
 
     seed = args.seed
+    common.set_run_mode("quick" if args.quick else "full")
+    record = common.run_record()
     data = gme_data(cfg["n"], cfg["d"], cfg["rho"], cfg["tau"], seed=seed)
     X, y = data["X"], data["y"]
     N, D = X.shape
@@ -1098,7 +1108,7 @@ def _main(args, cfg):
         )
     except OSError:
         pass
-    results = {"meta": meta, "runs": res, "findings": fnd, "nuts": nuts}
+    results = {"meta": meta, "run": record, "runs": res, "findings": fnd, "nuts": nuts}
     results["findings_text"] = findings_text(res, fnd, nuts)
     for line in results["findings_text"]:
         log(line)

@@ -39,7 +39,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import vmhwm_mb
+from common import run_record, vmhwm_mb
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -139,6 +139,8 @@ def main(argv=None):
     results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
     runs = results.setdefault("runs", [])
     for name in names:
+        # commit of this repository; with --checkout the plugin came from that path
+        record = run_record("full", **({"checkout": args.checkout} if args.checkout else {}))
         cmd = [sys.executable, __file__, "--worker", name, "--cap-gb", str(args.cap_gb)]
         if args.checkout:
             cmd += ["--checkout", args.checkout]
@@ -155,6 +157,7 @@ def main(argv=None):
             wall_s=round(time.perf_counter() - t0, 1),
             date=time.strftime("%Y-%m-%d %H:%M"),
             machine=f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
+            run=record,
         )
         print(json.dumps(out), flush=True)
         runs.append(out)

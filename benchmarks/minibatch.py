@@ -85,7 +85,7 @@ def run_method(method: str) -> dict:
 
     import pymc_mcssvi  # noqa: F401  (registers method="hmcssvi")
 
-    out = {"method": method, "fits": []}
+    out = {"method": method, "fits": [], "run": common.run_record("full")}
     model, data = build_model(minibatch=method not in ("nuts", "hmcssvi_full"))
     out["w_true"] = data.w_true.tolist()
     with model:
@@ -341,7 +341,8 @@ def main(argv=None):
             "advi_n": ADVI_N,
             "draws": DRAWS,
         }
-        results = {"meta": meta, "methods": {}}
+        # one data set: the file's "run" is its record; every method has its own
+        results = {"meta": meta, "methods": {}, "run": common.run_record("full")}
         run = meta
         names = METHODS if not args.only else [s.strip() for s in args.only.split(",")]
         if args.only and out_path.exists():

@@ -1287,6 +1287,7 @@ def worker_main(spec_path):
     logging.getLogger("pymc_mcssvi").setLevel(logging.ERROR)
     cfg, seed, name, method = spec["cfg"], spec["seed"], spec["dataset"], spec["method"]
     res = {"dataset": name, "method": method, "pid": os.getpid(), "load_start": loadavg()}
+    res["run"] = common.run_record(spec.get("mode"))
     t0 = time.perf_counter()
     try:
         ds = load_dataset(name, cfg, seed)
@@ -1364,7 +1365,14 @@ def run_worker(name, method, cfg, seed, reuse, quick):
         spec_path = Path(tmp) / "spec.json"
         out = Path(tmp) / "out.json"
         common.save_json(
-            {"cfg": cfg, "seed": seed, "dataset": name, "method": method, "out": str(out)},
+            {
+                "cfg": cfg,
+                "seed": seed,
+                "dataset": name,
+                "method": method,
+                "out": str(out),
+                "mode": "quick" if quick else "full",
+            },
             spec_path,
         )
         others = other_benchmarks()
@@ -2130,6 +2138,7 @@ def main(argv=None):
         log(f"wrote {PLOT} and section '{SECTION}' of {common.DOCS_PATH}")
         return results
     cfg = dict(QUICK if args.quick else FULL)
+    common.set_run_mode("quick" if args.quick else "full")
     names = DATASETS if not args.only else [s.strip() for s in args.only.split(",") if s.strip()]
     meta = {
         "date": common.today(),
@@ -2167,7 +2176,12 @@ def main(argv=None):
             "median_row": float(np.median(np.bincount(r, minlength=ds["n_rows"]))),
             "median_col": float(np.median(np.bincount(c, minlength=ds["n_cols"]))),
         }
-        entry = {"info": ds["info"], "row_counts": counts, "methods": {}}
+        entry = {
+            "info": ds["info"],
+            "row_counts": counts,
+            "methods": {},
+            "run": common.run_record(),
+        }
         methods = structured_variants(name, cfg) + baselines_of(name, cfg)
         if args.methods:
             methods = [s.strip() for s in args.methods.split(",")]

@@ -540,9 +540,11 @@ def main(argv=None):
         t0 = time.perf_counter()
         for name in names:
             log(name)
+            record = common.run_record("full")  # each case is a data set with its method
             results["cases"][name] = r = common.run_worker(
                 __file__, [name], {"case": name}, WORKER_TIMEOUT
             )
+            r["run"] = record
             log(
                 f"  fit {fmt(r.get('fit_s'), '.2f')} s, nuts {fmt(r.get('nuts_s'), '.1f')} s, "
                 f"peak {fmt(r.get('peak_mb'), '.0f')} MB"

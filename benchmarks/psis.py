@@ -581,9 +581,13 @@ def run_worker(name: str, reuse_nuts: bool, checkout: str) -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (checkout, env.get("PYTHONPATH")) if p)
     args = [name, *(["--reuse-nuts"] if reuse_nuts else [])]
+    # each case is a data set with its fit; the commit is the repository's at the start
+    # of the case (the worker imports the plugin from ``checkout``)
+    record = common.run_record("full", checkout=checkout)
     t0 = time.perf_counter()
     res = common.run_worker(__file__, args, {"case": name}, WORKER_TIMEOUT, env=env)
     res["worker_s"] = time.perf_counter() - t0
+    res["run"] = record
     return res
 
 

@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-slow test-docs test-all lint docs bench notebooks clean
+.PHONY: demo test test-slow test-docs test-all lint docs bench paper-page notebooks clean
 
 DEMO_STAMP := $(VENV)/.installed-demo
 
@@ -54,6 +54,13 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/glmm.py
 	$(BIN)/python benchmarks/gme.py
 	$(BIN)/python benchmarks/pmf.py
+	$(BIN)/python benchmarks/schedules.py
+	$(BIN)/python docs/scripts/paper_reproduction.py
+
+# docs/paper_reproduction.md and the README's headline numbers, from benchmarks/results/*.json
+# (standard library only; tests/docs/test_paper_page.py checks that both are up to date)
+paper-page: | $(BIN)/python
+	$(BIN)/python docs/scripts/paper_reproduction.py
 
 docs: $(STAMP)
 	$(BIN)/python -m pip install -q -e ".[docs]"

@@ -2,5 +2,6 @@
 
 from pymc_mcssvi.models.gme import gme
 from pymc_mcssvi.models.pmf import load_insteval, load_reuters_counts, pmf
+from pymc_mcssvi.models.sparse_gp import sparse_gp
 
-__all__ = ["gme", "load_insteval", "load_reuters_counts", "pmf"]
+__all__ = ["gme", "load_insteval", "load_reuters_counts", "pmf", "sparse_gp"]

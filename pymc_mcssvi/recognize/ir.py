@@ -208,6 +208,10 @@ class PredictorTerm:
         False when ``logp`` has kinks or jumps in ``eta`` (``abs``, ``switch``
         on ``eta``...): its expected Hessian is then computed from ``l'`` by
         Stein's lemma (see :func:`~pymc_mcssvi.estimators.quadrature.expected_derivatives`).
+    predictive : bool
+        True when the observed variable is scored by its predictive density
+        ``log E_q[exp(l(eta))]`` (:func:`~pymc_mcssvi.recognize.marks.predictive`, the
+        paper's sparse-GP variant V2) instead of ``E_q[l(eta)]``.
     """
 
     name: str
@@ -220,6 +224,7 @@ class PredictorTerm:
     kind: str = "likelihood"
     form: str = ""
     smooth: bool = True
+    predictive: bool = False
 
 
 @dataclass

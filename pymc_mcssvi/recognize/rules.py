@@ -21,6 +21,7 @@ Examples
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -49,6 +50,7 @@ from pymc_mcssvi.recognize.likelihood import (
     likelihood_term,
     pair_term,
 )
+from pymc_mcssvi.recognize.marks import scored_predictive
 from pymc_mcssvi.recognize.roles import base_op
 from pymc_mcssvi.recognize.whiten import whitened_mvnormal
 
@@ -218,6 +220,9 @@ def affine_predictor(obs: Observed, g: Globals) -> Claim | None:
     if term is None:
         return None
     check_finite_predictor(obs.name, term)
+    if scored_predictive(obs.rv):
+        term = dataclasses.replace(term, predictive=True)
+        return Claim(form_name(term) + " (predictive score)" + obs.suffix, predictor=term)
     return Claim(form_name(term) + obs.suffix, predictor=term)
 
 
@@ -271,6 +276,16 @@ def classify(obs: Observed, g: Globals, rules=RULES) -> Claim:
     for rule in rules:
         claim = rule(obs, g)
         if claim is not None:
+            if scored_predictive(obs.rv) and (
+                claim.predictor is None or not claim.predictor.predictive
+            ):
+                raise UnsupportedModelError(
+                    obs.name,
+                    f"it is marked to be scored by its predictive density, which needs one "
+                    f"predictor affine in the Gaussian globals (it is {claim.form})",
+                    "score it by the bound (drop the mark), or write its mean affine in the "
+                    "Gaussian globals",
+                )
             return claim
     raise AssertionError(f"no rule claimed {obs.name!r}: the last rule must always claim")
 

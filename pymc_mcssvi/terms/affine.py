@@ -18,7 +18,11 @@ from pytensor.graph.utils import MethodNotDefined
 
 from pymc_mcssvi.estimators.chunks import predictor_chunkable, restrict_predictor
 from pymc_mcssvi.estimators.predictor import PredictorGeometry
-from pymc_mcssvi.estimators.quadrature import expected_derivatives, expected_standard_normal
+from pymc_mcssvi.estimators.quadrature import (
+    expected_derivatives,
+    expected_predictive,
+    expected_standard_normal,
+)
 from pymc_mcssvi.exceptions import UnsupportedModelError
 from pymc_mcssvi.recognize.ir import PredictorTerm
 from pymc_mcssvi.terms.base import EvalOptions, QView, Term, TermStats, add_to
@@ -88,6 +92,17 @@ class AffineTerm(Term):
     def _expectations(self, term, mu, var, opts):
         if term.gaussian:
             return expected_standard_normal(mu, var)
+        if term.predictive:
+            shape = term.eta_shape
+            T, alpha, beta = expected_predictive(
+                term.logp,
+                term.placeholder,
+                mu.reshape(shape) if shape else mu[0],
+                var.reshape(shape) if shape else var[0],
+                n_points=self.n_points,
+                need_hessian=opts.need_hessian,
+            )
+            return T, alpha.reshape((-1,)), None if beta is None else beta.reshape((-1,))
         return predictor_expectations(
             term, mu, var, self.estimator, self.n_points, opts.need_hessian, opts.by_node
         )

@@ -52,6 +52,7 @@ __all__ = [
     "LogisticData",
     "gaussian_draws",
     "heldout_nll",
+    "legacy_record",
     "library_versions",
     "loadavg",
     "log",
@@ -541,6 +542,28 @@ def run_record(mode: str | None = None, **extra) -> dict:
     mode = mode if mode is not None else _RUN_MODE
     if mode is not None:
         rec["mode"] = mode
+    rec.update(extra)
+    return rec
+
+
+def legacy_record(meta: dict, **extra) -> dict:
+    """A ``run`` record for an entry written before entries carried their own, from the
+    results file's ``meta`` (its commit, date, machine and load at the start): used when a
+    later run merges new entries into the file and keeps the old ones."""
+    code = meta.get("code") or meta.get("code_start") or {}
+    machine = dict(meta.get("machine") or {})
+    load = meta.get("load_start", machine.pop("loadavg", None))
+    machine.pop("loadavg", None)
+    rec = {
+        "commit": code.get("commit") or meta.get("commit"),
+        "plugin_dirty": code.get("plugin_dirty", meta.get("plugin_dirty")),
+        "plugin_sources_sha1": code.get("plugin_sources_sha1"),
+        "date": meta.get("date"),
+        "machine": machine,
+        "loadavg": load,
+        "mode": "quick" if meta.get("quick") else "full",
+        "source": "the file's meta (entry written before per-entry run records)",
+    }
     rec.update(extra)
     return rec
 

@@ -85,6 +85,8 @@ FULL = dict(
     n_draws=1000,
     step_reps=20,
     checkpoints=150,
+    mb_batch=2000,
+    mb_max_iter=3000,
 )
 QUICK = dict(
     n=5000,
@@ -102,7 +104,60 @@ QUICK = dict(
     n_draws=500,
     step_reps=10,
     checkpoints=60,
+    mb_batch=500,
+    mb_max_iter=600,
 )
+
+#: The paper's first-order rule (section "Experiments": Adagrad, global learning rate 1.0).
+ADAGRAD = ("adagrad", 1.0)
+
+
+def structured_specs(cfg):
+    """``(key, method, display name, fit options, kind)`` of the plugin's rows.
+
+    The package's defaults; the paper's algorithms (H-MC-SSVI with an Adagrad mean
+    step, S-DSVI with Adagrad on both steps); and H-MC-SSVI on ``pm.Minibatch`` batches
+    of ``cfg["mb_batch"]`` rows (paper claim 3: minibatch H-MC-SSVI against its batch
+    version), with the default and with the paper's mean step.
+    """
+    B = cfg["mb_batch"]
+    return [
+        ("hmcssvi", "hmcssvi", "H-MC-SSVI", {}, "structured"),
+        ("mcssvi", "mcssvi", "MC-SSVI", {}, "structured"),
+        ("sdsvi", "sdsvi", "S-DSVI", {}, "structured"),
+        (
+            "hmcssvi_paper",
+            "hmcssvi",
+            "H-MC-SSVI (paper: Adagrad)",
+            {"mean_optimizer": ADAGRAD},
+            "structured",
+        ),
+        (
+            "sdsvi_paper",
+            "sdsvi",
+            "S-DSVI (paper: Adagrad)",
+            {"mean_optimizer": ADAGRAD, "factor_optimizer": ADAGRAD},
+            "structured",
+        ),
+        ("hmcssvi_mb", "hmcssvi", f"H-MC-SSVI (minibatch {B})", {}, "minibatch"),
+        (
+            "hmcssvi_paper_mb",
+            "hmcssvi",
+            f"H-MC-SSVI (paper: Adagrad; minibatch {B})",
+            {"mean_optimizer": ADAGRAD},
+            "minibatch",
+        ),
+    ]
+
+
+def structured_max_iter(key, cfg):
+    """Iteration cap: the plugin's default for the natural-gradient full-batch rows, the
+    S-DSVI cap for the first-order ones, ``mb_max_iter`` for the minibatch rows."""
+    if key.endswith("_mb"):
+        return cfg["mb_max_iter"]
+    if key in ("sdsvi", "sdsvi_paper", "hmcssvi_paper"):
+        return cfg["sdsvi_max_iter"]
+    return 10_000
 
 
 # ============================================================================ NumPy
@@ -301,10 +356,15 @@ def fit_pymc(model, method, n, seed, *, every=1, first=0, **kwargs):
     return approx, rec, wall, err
 
 
-def run_structured(model, method, cfg, seed, max_iter, name, fit_kwargs):
-    run = Run(name, "structured")
+def run_structured(model, method, cfg, seed, max_iter, name, fit_kwargs, kind="structured"):
+    run = Run(name, kind)
     run.extra["run"] = common.run_record()
-    every = 1 if method != "sdsvi" else max(1, max_iter // cfg["checkpoints"])
+    run.extra["fit_kwargs"] = {
+        k: list(v) if isinstance(v, tuple) else v for k, v in fit_kwargs.items()
+    }
+    run.extra["max_iter"] = max_iter
+    long = max_iter > 10_000 or method == "sdsvi" or kind == "minibatch" or fit_kwargs
+    every = max(1, max_iter // cfg["checkpoints"]) if long else 1
     log(f"{run.name}: cold fit (n=None, max_iter={max_iter}, {fit_kwargs or 'defaults'})")
     approx, rec, wall, err = fit_pymc(
         model, method, None, seed, every=every, first=50, max_iter=max_iter, **fit_kwargs
@@ -315,6 +375,9 @@ def run_structured(model, method, cfg, seed, max_iter, name, fit_kwargs):
         run.hist = np.asarray(approx.hist)
         run.iterations = int(approx.n_iter)
         run.extra["converged"] = bool(approx.converged)
+        # the final state is always a snapshot (a minibatch fit ends with full-data steps)
+        if rec.times and (not rec.snapshots or rec.snapshots[-1][0] != len(rec.times)):
+            rec.snapshots.append((len(rec.times), rec.times[-1], snapshot_params(approx)))
         run.evaluate = make_evaluator(approx)
         run.final = run.evaluate()
         run.approx = approx
@@ -666,7 +729,7 @@ def analyse(run, data, ref_mean, ref_sd, nll_nuts, z_draws, cfg):
     if run.kind == "structured":
         pl = plateau(times, run.hist, rel=0.01, smooth=1, tail=1.0 / max(1, len(run.hist)))
         pl["final"] = float(run.hist[-1])
-    else:
+    else:  # stochastic losses (PyMC, NumPyro, minibatch)
         pl = plateau(times, rec.losses, rel=0.01)
     res["plateau"] = pl
     # accuracy over time from the snapshots
@@ -682,13 +745,21 @@ def analyse(run, data, ref_mean, ref_sd, nll_nuts, z_draws, cfg):
             )
         except Exception:
             nll = np.nan
-        curve.append((k, t, err["rms_z"], nll))
-    curve = np.asarray(curve, dtype="float64") if curve else np.zeros((0, 4))
+        # the exact -ELBO of the snapshot's q (the plugin's rows: minibatch losses are noisy)
+        neg = np.nan
+        if run.kind in ("structured", "minibatch"):
+            try:
+                neg = numpy_negelbo(mu, S, data.X, data.y)
+            except np.linalg.LinAlgError:
+                pass
+        curve.append((k, t, err["rms_z"], nll, neg))
+    curve = np.asarray(curve, dtype="float64") if curve else np.zeros((0, 5))
     res["curve"] = {
         "iteration": curve[:, 0],
         "time": curve[:, 1],
         "rms_z": curve[:, 2],
         "nll": curve[:, 3],
+        "negelbo": curve[:, 4],
     }
     ok = (np.abs(curve[:, 3] - nll_nuts) <= NLL_REL * nll_nuts) & (curve[:, 2] <= RMS_Z_MAX)
     t_acc, i_acc = common.first_sustained(curve[:, 1], ok)
@@ -821,407 +892,58 @@ def passes_to_optimum(hist, optimum, rel=1e-4):
     return None if i is None else i + 1
 
 
-# ========================================================================= report
-def _load_str(load):
-    if load is None or len(load) != 2:
-        return "–"
-    return f"{fmt(load[0], '.1f')} → {fmt(load[1], '.1f')}"
-
-
-def report(results, meta, path_json, docs_path=None):
-    R = results["methods"]
-    order = [r for r in R if r in results["methods"]]
-    nuts = results["nuts"]
-    t = results["targets"]
-    step = results["step_timing"]
-    speed_rows, acc_rows = [], []
-    for name in order:
-        r = R[name]
-        w = r.get("warm", {})
-        pl = r.get("plateau", {})
-        star = "" if w.get("measured") else "*"
-        model_note = " †" if r.get("model") == "potential" else ""
-        speed_rows.append(
-            [
-                name + model_note,
-                fmt(r.get("iterations"), "d") if r.get("iterations") else "–",
-                fmt(r.get("wall"), ".1f"),
-                (fmt(w.get("wall"), ".1f") + star) if w else "–",
-                fmt(r.get("setup"), ".1f") + " / " + fmt(w.get("setup"), ".1f"),
-                fmt(1e3 * r["per_iter"], ".3g") if r.get("per_iter") else "–",
-                f"{fmt(pl.get('time'), '.1f')} ({fmt(pl.get('iteration'), 'd') if pl.get('iteration') else '–'})",
-                fmt(r.get("time_to_nuts_accuracy"), ".1f"),
-                fmt(r.get("passes_to_optimum"), "d") if r.get("passes_to_optimum") else "–",
-                fmt(r.get("cpu"), ".1f"),
-                _load_str(r.get("load")),
-            ]
-        )
-        if "rms_z" in r:
-            acc_rows.append(
-                [
-                    name + model_note,
-                    fmt(r["negelbo_exact"], ".2f"),
-                    fmt(r["rms_z"], ".3f"),
-                    fmt(r["max_z"], ".3f"),
-                    f"{r['sd_ratio_median']:.3f} ({r['sd_ratio_min']:.2f}–{r['sd_ratio_max']:.2f})",
-                    fmt(r["nll"], ".5f"),
-                    fmt(100 * r["nll_rel_diff"], "+.3f"),
-                ]
-            )
-        else:
-            acc_rows.append([name + model_note, "failed", "", "", "", "", ""])
-    acc_rows.append(["NUTS (reference)", "", "0", "0", "1", fmt(nuts["nll"], ".5f"), "0"])
-    speed_rows.append(
-        [
-            "NUTS" + (" (cached)" if nuts.get("cached") else ""),
-            f"{nuts['chains']} x ({meta['cfg']['nuts_tune']} + {meta['cfg']['nuts_draws']})",
-            fmt(nuts["wall"], ".1f"),
-            "–",
-            "–",
-            "–",
-            "–",
-            "–",
-            "–",
-            "–",
-            _load_str(nuts.get("load")),
-        ]
-    )
-    speed = common.markdown_table(
-        [
-            "method",
-            "iterations",
-            "cold wall [s]",
-            "warm wall [s]",
-            "setup cold / warm [s]",
-            "per iter [ms]",
-            "to 1% of own final loss [s] (iter)",
-            "to NUTS accuracy [s]",
-            "passes to 0.01% of optimum",
-            "cold CPU [s]",
-            "load (1 min) start → end",
-        ],
-        speed_rows,
-    )
-    acc = common.markdown_table(
-        [
-            "method",
-            "-ELBO of final q (same evaluator)",
-            "RMS z",
-            "max abs z",
-            "sd / sd_NUTS median (min–max)",
-            "held-out NLL / obs",
-            "vs NUTS [%]",
-        ],
-        acc_rows,
-    )
-    target_lines = []
-    for tg in t:
-        target_lines.append(f"- **{tg['status']}** {tg['text']}: {tg['measured']}")
-    m = meta["machine"]
-    v = meta["versions"]
-    analysis = results.get("analysis") or "All targets were met."
-    numba_row = (
-        ', the row "H-MC-SSVI (numba)" passes `backend="numba"`' if "H-MC-SSVI (numba)" in R else ""
-    )
-    numba_line = ""
-    nb = step.get("backends", {}).get("numba")
-    if nb and step["backend"] != "numba":
-        numba_line = (
-            f" The default backend for this problem is `{step['backend']}` (estimated work "
-            f"{fmt(step.get('work_estimate'), '.2g')} flops per iteration); the same step compiled with "
-            f'`backend="numba"` takes {1e3 * nb["median_s"]:.1f} ms (ratios {nb["ratio_minimal"]:.2f} and '
-            f"{nb['ratio_full']:.2f}) after a {nb['compile_s']:.1f} s compilation."
-        )
-    dagger = ""
-    if any(R[n].get("model") == "potential" for n in order):
-        dagger = (
-            "- † PyMC ADVI / FullRankADVI produced NaN on the specified model (see the notes); they were\n"
-            '  run on the same likelihood written as `pm.Potential("y", sum(y * eta - softplus(eta)))`.\n'
-        )
-    cfg = meta["cfg"]
-    notes = results["notes"]
-    body = f"""## GLM: logistic regression, N = {cfg["n"]:,}, D = {cfg["d"]}
-
-*Generated by `benchmarks/glm_logistic.py` on {meta["date"]}; raw numbers in
-`benchmarks/results/{Path(path_json).name}`.*
-
-**Machine**: {m.get("cpu_model", m.get("processor", "?"))}, {m["cpu_count"]} logical CPUs,
-{m.get("mem_total_gb", "?")} GB RAM, {m["platform"]}, Python {m["python"]}. Load average
-at start / end: {meta["load_start"]} / {meta["load_end"]}. The machine may have been
-shared with other jobs (tests running concurrently), so timings can be inflated by a
-factor that differs between methods.
-
-**Versions**: {", ".join(f"{k} {val}" for k, val in v.items())}.
-
-**Workload**: intercept + {cfg["d"] - 1} Gaussian features with Toeplitz covariance
-0.8^|i-j|, true weights from the prior N(0, I), prior N(0, I) on all {cfg["d"]} weights,
-{cfg["n"]:,} training rows, {cfg["n_test"]:,} held-out rows from the same model.
-Model: `w = pm.Normal("w", 0, 1, shape=D); pm.Bernoulli("y", logit_p=X @ w, observed=y)`.
-
-**Settings**: structured methods with defaults (`pm.fit(method=...)`, stop at convergence;
-S-DSVI capped at `max_iter={cfg["sdsvi_max_iter"]}`; the plugin's automatic backend choice
-for this problem is `{step["backend"]}`{numba_row}); ADVI / FullRankADVI
-`pm.fit(n, method=..., backend="numba")` with {cfg["advi_iters"]:,} / {cfg["fr_iters"]:,}
-iterations; NumPyro `AutoMultivariateNormal`, `Trace_ELBO` (1 particle), Adam,
-{cfg["numpyro_steps"]:,} steps in jitted chunks of {cfg["numpyro_chunk"]}, float32 (JAX
-default), CPU; NUTS `pm.sample({cfg["nuts_draws"]}, tune={cfg["nuts_tune"]}, chains=2,
-cores=2, nuts_sampler="pymc")`. PyTensor compile cache: {meta["cache"]}.
-
-### Speed
-
-{speed}
-
-- *cold*: the first fit in the process, compilation included (time from calling
-  `pm.fit` / building the SVI object to the end). *warm*: a second fresh fit of the same
-  model. Values marked `*` are derived (cold time − cold setup + warm setup, with the warm
-  setup measured by a short second fit), the others are measured.
-- *cold CPU*: CPU time of this process during the cold fit (all its threads; compare with the
-  wall time to see the effect of other jobs, and of BLAS threads: CPU > wall means several cores).
-  *load*: the 1-minute load average before and after the cold fit (2 cores: load above 2 means
-  other jobs competed for the CPUs).
-- *setup*: time before the first iteration (recognition, graph building, compilation),
-  estimated as the time of the first iteration minus a median iteration.
-- *to 1% of own final loss*: first time after which the loss (moving average over 1% of
-  the run for the stochastic methods) stays within 1% of the method's own final loss.
-- *to NUTS accuracy*: first time after which both the held-out NLL is within
-  {100 * NLL_REL:.1f}% of NUTS and the RMS posterior-mean error is ≤ {RMS_Z_MAX} NUTS sd,
-  evaluated on up to {cfg["checkpoints"]} parameter snapshots per run (snapshot time excluded).
-- *passes*: iterations (full passes over the data) until the -ELBO is within 0.01% of the
-  optimum bound {fmt(results["optimum"], ".4f")} (best final -ELBO of {cfg["long_iters"]}-iteration
-  MC-SSVI / H-MC-SSVI runs).
-{dagger}
-### Accuracy (against NUTS)
-
-{acc}
-
-- *-ELBO of final q*: every method's final Gaussian q evaluated with the same 32-node
-  Gauss-Hermite quadrature in NumPy (lower is better; the plugin's own bound uses 12 nodes).
-- *RMS z*: RMS over the {cfg["d"]} weights of (mean − mean_NUTS) / sd_NUTS; *max abs z*
-  its maximum. Held-out NLL per observation: −mean_i log mean_s p(y_i | w_s) over
-  {cfg["n_draws"]} draws (common random numbers for the Gaussian methods, all
-  {int(nuts["chains"]) * cfg["nuts_draws"]} draws for NUTS).
-- NUTS: {fmt(nuts["wall"], ".0f")} s, {int(nuts["divergences"])} divergences, max r_hat
-  {float(nuts["rhat_max"]):.3f}, min ESS {float(nuts["ess_min"]):.0f}, mean tree depth
-  {float(nuts["tree_depth_mean"]):.1f}.
-
-### Per-iteration cost
-
-H-MC-SSVI's compiled step (`HMCSSVI()._step_function()`, backend `{step["backend"]}`)
-against NumPy, median of {step["reps"]} interleaved repetitions:
-step {1e3 * step["step_median_s"]:.1f} ms; NumPy minimal reference (`X @ m`, one
-`X^T diag(d) X`, one {cfg["d"]}x{cfg["d"]} Cholesky) {1e3 * step["numpy_minimal_median_s"]:.1f} ms
-(ratio {step["ratio_minimal"]:.2f}); NumPy full iteration (also `diag(X S X^T)`, the
-12-node quadrature and the mean step) {1e3 * step["numpy_full_median_s"]:.1f} ms (ratio
-{step["ratio_full"]:.2f}).{numba_line}
-
-### Targets
-
-{chr(10).join(target_lines)}
-
-### What limits the missed targets
-
-{analysis}
-
-### Notes
-
-{chr(10).join("- " + n for n in notes)}
-"""
-    if docs_path:
-        p = common.write_section(SECTION, body, path=docs_path)
-        log(f"wrote {p}")
-    print("\n" + body)
-    return body
-
-
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--quick", action="store_true", help="scaled-down smoke test (N=5000, D=20)"
-    )
-    parser.add_argument(
-        "--reuse-nuts", action="store_true", help="reuse cached NUTS draws if present"
-    )
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--warm-cache",
-        action="store_true",
-        help="use the normal PyTensor compile cache (default: a fresh, empty one for the run)",
-    )
-    parser.add_argument("--no-docs", action="store_true", help="do not touch docs/benchmarks.md")
-    parser.add_argument(
-        "--docs-path",
-        default=None,
-        help="write the section to this file instead of docs/benchmarks.md (also with --quick)",
-    )
-    parser.add_argument("--skip-numpyro", action="store_true")
-    parser.add_argument(
-        "--report-from",
-        default=None,
-        help="only re-render the docs section from a results JSON written by an earlier run",
-    )
-    args = parser.parse_args(argv)
-
-    if args.report_from:
-        import json
-
-        results = json.loads(Path(args.report_from).read_text())
-        report(results, results["meta"], args.report_from, args.docs_path or common.DOCS_PATH)
-        return results
-    cfg = dict(QUICK if args.quick else FULL)
-    tmp_cache = None
-    if not args.warm_cache:
-        tmp_cache = tempfile.mkdtemp(prefix="pytensor_bench_")
-        flags = os.environ.get("PYTENSOR_FLAGS", "")
-        os.environ["PYTENSOR_FLAGS"] = (
-            flags + "," if flags else ""
-        ) + f"base_compiledir={tmp_cache}"
-        # Registered before PyTensor is imported, so it runs after PyTensor's own exit
-        # handlers (which release a lock file inside the compile directory).
-        atexit.register(shutil.rmtree, tmp_cache, ignore_errors=True)
-    if "pytensor" in sys.modules:
-        raise RuntimeError("pytensor must not be imported before the compile cache is set")
-    warnings.filterwarnings("ignore")
-    import logging
-
-    logging.getLogger("pymc").setLevel(logging.ERROR)
-    logging.getLogger("pytensor").setLevel(logging.ERROR)
-    return _main(args, cfg, tmp_cache)
-
-
-def _main(args, cfg, tmp_cache):
+def minibatch_model(data, cfg):
+    """The logistic regression on ``pm.Minibatch`` batches of ``cfg["mb_batch"]`` rows."""
     import pymc as pm
-    import pytensor.tensor as pt
 
-    import pymc_mcssvi  # registers the fit methods
+    Xb, yb = pm.Minibatch(data.X, data.y.astype("float64"), batch_size=cfg["mb_batch"])
+    with pm.Model() as model:
+        w = pm.Normal("w", 0, 1, shape=cfg["d"])
+        pm.Bernoulli("y", logit_p=Xb @ w, observed=yb, total_size=cfg["n"])
+    return model
 
-    seed = args.seed
-    common.set_run_mode("quick" if args.quick else "full")
-    record = common.run_record()
-    load_start = common.machine_info().get("loadavg")
-    meta = {
-        "date": common.today(),
-        "machine": common.machine_info(),
-        "versions": common.library_versions(),
-        "cfg": cfg,
-        "quick": args.quick,
-        "seed": seed,
-        "cache": "fresh empty directory for this run (cold)"
-        if tmp_cache
-        else "user's cache (--warm-cache)",
-        "load_start": load_start,
-        "code": common.code_state(),
-    }
-    log(f"config: {cfg}")
-    data = common.logistic_regression_data(cfg["n"], cfg["d"], cfg["n_test"], seed=seed)
-    X, y = data.X, data.y
-    D = cfg["d"]
 
-    with pm.Model() as spec_model:
-        w = pm.Normal("w", 0, 1, shape=D)
-        pm.Bernoulli("y", logit_p=X @ w, observed=y)
-    with pm.Model() as potential_model:
-        w = pm.Normal("w", 0, 1, shape=D)
-        eta = X @ w
-        pm.Potential("y", pt.sum(y * eta - pt.softplus(eta)))
-
-    runs: dict[str, Run] = {}
-    notes: list[str] = []
-    # ---------------------------------------------------------- structured (cold)
-    structured = [
-        ("hmcssvi", "hmcssvi", "H-MC-SSVI", {}),
-        ("mcssvi", "mcssvi", "MC-SSVI", {}),
-        ("sdsvi", "sdsvi", "S-DSVI", {}),
+def method_order(methods):
+    """The plugin's full-batch rows, its minibatch rows, then the others (as they came)."""
+    first = [
+        n
+        for n in (
+            "H-MC-SSVI",
+            "MC-SSVI",
+            "S-DSVI",
+            "H-MC-SSVI (paper: Adagrad)",
+            "S-DSVI (paper: Adagrad)",
+        )
+        if n in methods
     ]
-    with spec_model:
-        default_backend = pymc_mcssvi.HMCSSVI().choose_backend()
-    if default_backend != "numba":
-        structured.append(("hmcssvi_numba", "hmcssvi", "H-MC-SSVI (numba)", {"backend": "numba"}))
-    log(f"default structured backend for this problem: {default_backend}")
-    for key, method, name, kw in structured:
-        max_iter = cfg["sdsvi_max_iter"] if method == "sdsvi" else 10_000
-        try:
-            runs[key] = run_structured(spec_model, method, cfg, seed, max_iter, name, kw)
-        except Exception as e:
-            traceback.print_exc()
-            r = Run(name, "structured")
-            r.error = f"{type(e).__name__}: {e}"
-            runs[key] = r
-    # ---------------------------------------------------------- structured (warm, long)
-    for key, method, _, kw in structured:
-        if runs[key].final is None:
-            continue
-        max_iter = cfg["sdsvi_max_iter"] if method == "sdsvi" else 10_000
-        warm_structured(runs[key], spec_model, method, seed, max_iter, method != "sdsvi", kw)
-    long_hists = {}
-    long_kw = {"backend": "numba"} if "hmcssvi_numba" in runs else {}
-    for method in ("hmcssvi", "mcssvi"):
-        log(f"{method}: long run of {cfg['long_iters']} iterations {long_kw}")
-        h, err = long_run(spec_model, method, seed, cfg["long_iters"], long_kw)
-        if h is not None:
-            long_hists[method] = h
-        else:
-            notes.append(f"{method} long run failed: {err}")
-    optimum = min(float(np.min(h)) for h in long_hists.values()) if long_hists else np.nan
-    log(f"optimum -ELBO {optimum:.6f}")
-    log("NumPy H-MC-SSVI cross-check")
-    np_hist = numpy_hmcssvi(X, y, iters=cfg["long_iters"] // 2)
-    # ---------------------------------------------------------- per-iteration timing
-    step_timing = time_step(spec_model, data, seed, cfg["step_reps"])
-    # ---------------------------------------------------------- PyMC ADVI / FullRankADVI
-    pymc_configs = [
-        ("ADVI", "advi", cfg["advi_iters"], None),
-        ("FullRankADVI", "fullrank_advi", cfg["fr_iters"], None),
-        ("FullRankADVI (lr 0.01)", "fullrank_advi", cfg["fr_iters"], 0.01),
-    ]
-    for name, method, n, lr in pymc_configs:
-        opt = None if lr is None else pm.adagrad_window(learning_rate=lr)
-        runs[name] = run_pymc_vi(name, spec_model, potential_model, method, n, cfg, seed, opt)
-        if runs[name].final is not None:
-            model = spec_model if runs[name].extra["model"] == "spec" else potential_model
-            opt = None if lr is None else pm.adagrad_window(learning_rate=lr)
-            warm_pymc_vi(runs[name], model, method, cfg["warm_pymc_iters"], seed, opt)
-    # ---------------------------------------------------------- NumPyro
-    if not args.skip_numpyro:
-        for lr in (0.01, 0.003):
-            name = f"NumPyro AutoMVN (Adam {lr})"
-            runs[name] = run_numpyro(
-                name, data, cfg, seed, lr, cfg["numpyro_steps"], cfg["numpyro_chunk"]
-            )
-    # ---------------------------------------------------------- NUTS
-    nuts = run_nuts(spec_model, cfg, seed, data_key(cfg, seed), args.reuse_nuts)
-    ref = np.asarray(nuts["draws"])
-    ref_mean, ref_sd = ref.mean(0), ref.std(0, ddof=1)
-    nll_nuts = heldout_nll(ref, data.X_test, data.y_test)
-    nuts_summary = {
-        k: (v.item() if isinstance(v, np.ndarray) and v.ndim == 0 else v)
-        for k, v in nuts.items()
-        if k != "draws"
-    }
-    nuts_summary["nll"] = nll_nuts
-    # cached draws: the record of this run (the draws' own run is not stored in the cache)
-    nuts_summary.setdefault("run", common.run_record())
-    log(f"NUTS held-out NLL {nll_nuts:.6f}")
+    mb = [n for n in methods if "minibatch" in n]
+    return first + mb + [n for n in methods if n not in first and n not in mb]
 
-    # ---------------------------------------------------------- analysis
-    log("evaluating snapshots")
-    z_draws = np.random.default_rng(12345).standard_normal((cfg["n_draws"], D))
-    display = {
-        "hmcssvi": "H-MC-SSVI",
-        "mcssvi": "MC-SSVI",
-        "sdsvi": "S-DSVI",
-        "hmcssvi_numba": "H-MC-SSVI (numba)",
-    }
-    methods = {}
-    for run_key, run in runs.items():
-        name = display.get(run_key, run_key)
-        run.name = name
-        res = analyse(run, data, ref_mean, ref_sd, nll_nuts, z_draws, cfg)
-        if run.kind == "structured" and run.hist is not None:
-            res["passes_to_optimum"] = passes_to_optimum(run.hist, optimum)
-            res["final_negelbo_plugin"] = float(run.hist[-1])
-            res["hist"] = run.hist
-        methods[name] = res
-    # ---------------------------------------------------------- targets
+
+def merge_old(old, methods, optimum, step_timing, np_hist):
+    """Rows of an earlier run (``old``) that this run did not repeat, with this run's.
+
+    Old rows without their own ``run`` record get one from the old file's meta; old
+    structured rows get their passes to 0.01% of this run's optimum. The step timing and
+    the NumPy cross-check are the old ones unless this run repeated them.
+    """
+    legacy = common.legacy_record(old["meta"])
+    merged = {}
+    for name, r in old.get("methods", {}).items():
+        r.setdefault("run", legacy)
+        if name not in methods and r.get("kind") == "structured" and r.get("hist"):
+            r["passes_to_optimum"] = passes_to_optimum(np.asarray(r["hist"]), optimum)
+        merged[name] = r
+    merged.update(methods)
+    if step_timing is None:
+        step_timing = old.get("step_timing")
+    if np_hist is None:
+        np_hist = old.get("numpy_hmcssvi_hist")
+    return {n: merged[n] for n in method_order(merged)}, step_timing, np_hist
+
+
+def compute_targets(methods, step_timing):
+    """The targets (PASS / MISS) of the run, from the analysed methods and the step timing."""
     targets = []
     H = methods.get("H-MC-SSVI", {})
 
@@ -1342,7 +1064,466 @@ def _main(args, cfg, tmp_cache):
             "value": step_timing["ratio_minimal"],
         }
     )
+    return targets
+
+
+# ========================================================================= report
+def _load_str(load):
+    if load is None or len(load) != 2:
+        return "–"
+    return f"{fmt(load[0], '.1f')} → {fmt(load[1], '.1f')}"
+
+
+def report(results, meta, path_json, docs_path=None):
+    R = results["methods"]
+    order = [r for r in R if r in results["methods"]]
+    nuts = results["nuts"]
+    t = results["targets"]
+    step = results["step_timing"]
+    speed_rows, acc_rows = [], []
+    for name in order:
+        r = R[name]
+        w = r.get("warm", {})
+        pl = r.get("plateau", {})
+        star = "" if w.get("measured") else "*"
+        model_note = " †" if r.get("model") == "potential" else ""
+        speed_rows.append(
+            [
+                name + model_note,
+                fmt(r.get("iterations"), "d") if r.get("iterations") else "–",
+                fmt(r.get("wall"), ".1f"),
+                (fmt(w.get("wall"), ".1f") + star) if w else "–",
+                fmt(r.get("setup"), ".1f") + " / " + fmt(w.get("setup"), ".1f"),
+                fmt(1e3 * r["per_iter"], ".3g") if r.get("per_iter") else "–",
+                f"{fmt(pl.get('time'), '.1f')} ({fmt(pl.get('iteration'), 'd') if pl.get('iteration') else '–'})",
+                fmt(r.get("time_to_nuts_accuracy"), ".1f"),
+                fmt(r.get("passes_to_optimum"), "d") if r.get("passes_to_optimum") else "–",
+                fmt(r.get("time_to_optimum"), ".1f"),
+                fmt(r.get("cpu"), ".1f"),
+                _load_str(r.get("load")),
+            ]
+        )
+        if "rms_z" in r:
+            acc_rows.append(
+                [
+                    name + model_note,
+                    fmt(r["negelbo_exact"], ".2f"),
+                    fmt(r["rms_z"], ".3f"),
+                    fmt(r["max_z"], ".3f"),
+                    f"{r['sd_ratio_median']:.3f} ({r['sd_ratio_min']:.2f}–{r['sd_ratio_max']:.2f})",
+                    fmt(r["nll"], ".5f"),
+                    fmt(100 * r["nll_rel_diff"], "+.3f"),
+                ]
+            )
+        else:
+            acc_rows.append([name + model_note, "failed", "", "", "", "", ""])
+    acc_rows.append(["NUTS (reference)", "", "0", "0", "1", fmt(nuts["nll"], ".5f"), "0"])
+    speed_rows.append(
+        [
+            "NUTS" + (" (cached)" if nuts.get("cached") else ""),
+            f"{nuts['chains']} x ({meta['cfg']['nuts_tune']} + {meta['cfg']['nuts_draws']})",
+            fmt(nuts["wall"], ".1f"),
+            "–",
+            "–",
+            "–",
+            "–",
+            "–",
+            "–",
+            "–",
+            "–",
+            _load_str(nuts.get("load")),
+        ]
+    )
+    speed = common.markdown_table(
+        [
+            "method",
+            "iterations",
+            "cold wall [s]",
+            "warm wall [s]",
+            "setup cold / warm [s]",
+            "per iter [ms]",
+            "to 1% of own final loss [s] (iter)",
+            "to NUTS accuracy [s]",
+            "passes to 0.01% of optimum",
+            "to 0.01% of optimum [s]",
+            "cold CPU [s]",
+            "load (1 min) start → end",
+        ],
+        speed_rows,
+    )
+    acc = common.markdown_table(
+        [
+            "method",
+            "-ELBO of final q (same evaluator)",
+            "RMS z",
+            "max abs z",
+            "sd / sd_NUTS median (min–max)",
+            "held-out NLL / obs",
+            "vs NUTS [%]",
+        ],
+        acc_rows,
+    )
+    target_lines = []
+    for tg in t:
+        target_lines.append(f"- **{tg['status']}** {tg['text']}: {tg['measured']}")
+    m = meta["machine"]
+    v = meta["versions"]
+    analysis = results.get("analysis") or "All targets were met."
+    numba_row = (
+        ', the row "H-MC-SSVI (numba)" passes `backend="numba"`' if "H-MC-SSVI (numba)" in R else ""
+    )
+    numba_line = ""
+    nb = step.get("backends", {}).get("numba")
+    if nb and step["backend"] != "numba":
+        numba_line = (
+            f" The default backend for this problem is `{step['backend']}` (estimated work "
+            f"{fmt(step.get('work_estimate'), '.2g')} flops per iteration); the same step compiled with "
+            f'`backend="numba"` takes {1e3 * nb["median_s"]:.1f} ms (ratios {nb["ratio_minimal"]:.2f} and '
+            f"{nb['ratio_full']:.2f}) after a {nb['compile_s']:.1f} s compilation."
+        )
+    dagger = ""
+    if any(R[n].get("model") == "potential" for n in order):
+        dagger = (
+            "- † PyMC ADVI / FullRankADVI produced NaN on the specified model (see the notes); they were\n"
+            '  run on the same likelihood written as `pm.Potential("y", sum(y * eta - softplus(eta)))`.\n'
+        )
+    cfg = meta["cfg"]
+    notes = results["notes"]
+    later = "".join(
+        f"\n*Re-run on {lr['date']} at commit {lr['code'].get('commit')} (load "
+        f"{lr.get('load_start')} / {lr.get('load_end')}; each row's `run` record in the JSON says "
+        f"which run it comes from): {', '.join(lr.get('methods_run') or [])}.*"
+        for lr in meta.get("later_runs", [])
+    )
+    body = f"""## GLM: logistic regression, N = {cfg["n"]:,}, D = {cfg["d"]}
+
+*Generated by `benchmarks/glm_logistic.py` on {meta["date"]}; raw numbers in
+`benchmarks/results/{Path(path_json).name}`.*{later}
+
+**Machine**: {m.get("cpu_model", m.get("processor", "?"))}, {m["cpu_count"]} logical CPUs,
+{m.get("mem_total_gb", "?")} GB RAM, {m["platform"]}, Python {m["python"]}. Load average
+at start / end: {meta["load_start"]} / {meta["load_end"]}. The machine may have been
+shared with other jobs (tests running concurrently), so timings can be inflated by a
+factor that differs between methods.
+
+**Versions**: {", ".join(f"{k} {val}" for k, val in v.items())}.
+
+**Workload**: intercept + {cfg["d"] - 1} Gaussian features with Toeplitz covariance
+0.8^|i-j|, true weights from the prior N(0, I), prior N(0, I) on all {cfg["d"]} weights,
+{cfg["n"]:,} training rows, {cfg["n_test"]:,} held-out rows from the same model.
+Model: `w = pm.Normal("w", 0, 1, shape=D); pm.Bernoulli("y", logit_p=X @ w, observed=y)`.
+
+**Settings**: structured methods with defaults (`pm.fit(method=...)`, stop at convergence;
+S-DSVI capped at `max_iter={cfg["sdsvi_max_iter"]}`; the plugin's automatic backend choice
+for this problem is `{step["backend"]}`{numba_row}); ADVI / FullRankADVI
+`pm.fit(n, method=..., backend="numba")` with {cfg["advi_iters"]:,} / {cfg["fr_iters"]:,}
+iterations; NumPyro `AutoMultivariateNormal`, `Trace_ELBO` (1 particle), Adam,
+{cfg["numpyro_steps"]:,} steps in jitted chunks of {cfg["numpyro_chunk"]}, float32 (JAX
+default), CPU; NUTS `pm.sample({cfg["nuts_draws"]}, tune={cfg["nuts_tune"]}, chains=2,
+cores=2, nuts_sampler="pymc")`. PyTensor compile cache: {meta["cache"]}.
+
+### Speed
+
+{speed}
+
+- *cold*: the first fit in the process, compilation included (time from calling
+  `pm.fit` / building the SVI object to the end). *warm*: a second fresh fit of the same
+  model. Values marked `*` are derived (cold time − cold setup + warm setup, with the warm
+  setup measured by a short second fit), the others are measured.
+- *cold CPU*: CPU time of this process during the cold fit (all its threads; compare with the
+  wall time to see the effect of other jobs, and of BLAS threads: CPU > wall means several cores).
+  *load*: the 1-minute load average before and after the cold fit (2 cores: load above 2 means
+  other jobs competed for the CPUs).
+- *setup*: time before the first iteration (recognition, graph building, compilation),
+  estimated as the time of the first iteration minus a median iteration.
+- *to 1% of own final loss*: first time after which the loss (moving average over 1% of
+  the run for the stochastic methods) stays within 1% of the method's own final loss.
+- *to NUTS accuracy*: first time after which both the held-out NLL is within
+  {100 * NLL_REL:.1f}% of NUTS and the RMS posterior-mean error is ≤ {RMS_Z_MAX} NUTS sd,
+  evaluated on up to {cfg["checkpoints"]} parameter snapshots per run (snapshot time excluded).
+- *passes*: iterations (full passes over the data) until the -ELBO is within 0.01% of the
+  optimum bound {fmt(results["optimum"], ".4f")} (best final -ELBO of {cfg["long_iters"]}-iteration
+  MC-SSVI / H-MC-SSVI runs).
+{dagger}
+### Accuracy (against NUTS)
+
+{acc}
+
+- *-ELBO of final q*: every method's final Gaussian q evaluated with the same 32-node
+  Gauss-Hermite quadrature in NumPy (lower is better; the plugin's own bound uses 12 nodes).
+- *RMS z*: RMS over the {cfg["d"]} weights of (mean − mean_NUTS) / sd_NUTS; *max abs z*
+  its maximum. Held-out NLL per observation: −mean_i log mean_s p(y_i | w_s) over
+  {cfg["n_draws"]} draws (common random numbers for the Gaussian methods, all
+  {int(nuts["chains"]) * cfg["nuts_draws"]} draws for NUTS).
+- NUTS: {fmt(nuts["wall"], ".0f")} s, {int(nuts["divergences"])} divergences, max r_hat
+  {float(nuts["rhat_max"]):.3f}, min ESS {float(nuts["ess_min"]):.0f}, mean tree depth
+  {float(nuts["tree_depth_mean"]):.1f}.
+
+### Per-iteration cost
+
+H-MC-SSVI's compiled step (`HMCSSVI()._step_function()`, backend `{step["backend"]}`)
+against NumPy, median of {step["reps"]} interleaved repetitions:
+step {1e3 * step["step_median_s"]:.1f} ms; NumPy minimal reference (`X @ m`, one
+`X^T diag(d) X`, one {cfg["d"]}x{cfg["d"]} Cholesky) {1e3 * step["numpy_minimal_median_s"]:.1f} ms
+(ratio {step["ratio_minimal"]:.2f}); NumPy full iteration (also `diag(X S X^T)`, the
+12-node quadrature and the mean step) {1e3 * step["numpy_full_median_s"]:.1f} ms (ratio
+{step["ratio_full"]:.2f}).{numba_line}
+
+### Targets
+
+{chr(10).join(target_lines)}
+
+### What limits the missed targets
+
+{analysis}
+
+### Notes
+
+{chr(10).join("- " + n for n in notes)}
+"""
+    if docs_path:
+        p = common.write_section(SECTION, body, path=docs_path)
+        log(f"wrote {p}")
+    print("\n" + body)
+    return body
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--quick", action="store_true", help="scaled-down smoke test (N=5000, D=20)"
+    )
+    parser.add_argument(
+        "--reuse-nuts", action="store_true", help="reuse cached NUTS draws if present"
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--warm-cache",
+        action="store_true",
+        help="use the normal PyTensor compile cache (default: a fresh, empty one for the run)",
+    )
+    parser.add_argument("--no-docs", action="store_true", help="do not touch docs/benchmarks.md")
+    parser.add_argument(
+        "--docs-path",
+        default=None,
+        help="write the section to this file instead of docs/benchmarks.md (also with --quick)",
+    )
+    parser.add_argument("--skip-numpyro", action="store_true")
+    parser.add_argument(
+        "--methods",
+        default=None,
+        help="comma-separated rows to run (display names, e.g. 'S-DSVI (paper: Adagrad)', and "
+        "'step timing'); the other rows of an existing results file are kept, NUTS and the "
+        "optimum's long runs are always run",
+    )
+    parser.add_argument(
+        "--report-from",
+        default=None,
+        help="only re-render the docs section from a results JSON written by an earlier run",
+    )
+    args = parser.parse_args(argv)
+
+    if args.report_from:
+        import json
+
+        results = json.loads(Path(args.report_from).read_text())
+        report(results, results["meta"], args.report_from, args.docs_path or common.DOCS_PATH)
+        return results
+    cfg = dict(QUICK if args.quick else FULL)
+    tmp_cache = None
+    if not args.warm_cache:
+        tmp_cache = tempfile.mkdtemp(prefix="pytensor_bench_")
+        flags = os.environ.get("PYTENSOR_FLAGS", "")
+        os.environ["PYTENSOR_FLAGS"] = (
+            flags + "," if flags else ""
+        ) + f"base_compiledir={tmp_cache}"
+        # Registered before PyTensor is imported, so it runs after PyTensor's own exit
+        # handlers (which release a lock file inside the compile directory).
+        atexit.register(shutil.rmtree, tmp_cache, ignore_errors=True)
+    if "pytensor" in sys.modules:
+        raise RuntimeError("pytensor must not be imported before the compile cache is set")
+    warnings.filterwarnings("ignore")
+    import logging
+
+    logging.getLogger("pymc").setLevel(logging.ERROR)
+    logging.getLogger("pytensor").setLevel(logging.ERROR)
+    return _main(args, cfg, tmp_cache)
+
+
+def _main(args, cfg, tmp_cache):
+    import pymc as pm
+    import pytensor.tensor as pt
+
+    import pymc_mcssvi  # registers the fit methods
+
+    seed = args.seed
+    common.set_run_mode("quick" if args.quick else "full")
+    record = common.run_record()
+    load_start = common.machine_info().get("loadavg")
+    meta = {
+        "date": common.today(),
+        "machine": common.machine_info(),
+        "versions": common.library_versions(),
+        "cfg": cfg,
+        "quick": args.quick,
+        "seed": seed,
+        "cache": "fresh empty directory for this run (cold)"
+        if tmp_cache
+        else "user's cache (--warm-cache)",
+        "load_start": load_start,
+        "code": common.code_state(),
+    }
+    log(f"config: {cfg}")
+    data = common.logistic_regression_data(cfg["n"], cfg["d"], cfg["n_test"], seed=seed)
+    X, y = data.X, data.y
+    D = cfg["d"]
+
+    with pm.Model() as spec_model:
+        w = pm.Normal("w", 0, 1, shape=D)
+        pm.Bernoulli("y", logit_p=X @ w, observed=y)
+    with pm.Model() as potential_model:
+        w = pm.Normal("w", 0, 1, shape=D)
+        eta = X @ w
+        pm.Potential("y", pt.sum(y * eta - pt.softplus(eta)))
+
+    names = None if not args.methods else [m.strip() for m in args.methods.split(",") if m.strip()]
+    out = RESULTS / ("glm_logistic_quick.json" if args.quick else "glm_logistic.json")
+    old = None
+    if names is not None and out.exists():
+        import json
+
+        # add to (or replace rows of) an earlier run; its other rows are kept
+        old = json.loads(out.read_text())
+
+    def want(name):
+        return names is None or name in names
+
+    runs: dict[str, Run] = {}
+    notes: list[str] = []
+    # ---------------------------------------------------------- structured (cold)
+    specs = structured_specs(cfg)
+    with spec_model:
+        default_backend = pymc_mcssvi.HMCSSVI().choose_backend()
+    if default_backend != "numba":
+        specs.append(
+            ("hmcssvi_numba", "hmcssvi", "H-MC-SSVI (numba)", {"backend": "numba"}, "structured")
+        )
+    log(f"default structured backend for this problem: {default_backend}")
+    mb_model = None
+    for key, method, name, kw, kind in specs:
+        if not want(name):
+            continue
+        model = spec_model
+        if kind == "minibatch":
+            mb_model = mb_model or minibatch_model(data, cfg)
+            model = mb_model
+        try:
+            runs[key] = run_structured(
+                model, method, cfg, seed, structured_max_iter(key, cfg), name, kw, kind
+            )
+        except Exception as e:
+            traceback.print_exc()
+            r = Run(name, kind)
+            r.error = f"{type(e).__name__}: {e}"
+            runs[key] = r
+    # ---------------------------------------------------------- structured (warm, long)
+    for key, method, _, kw, kind in specs:
+        if key not in runs or runs[key].final is None or kind == "minibatch":
+            continue
+        max_iter = structured_max_iter(key, cfg)
+        full = max_iter <= 10_000 and method != "sdsvi" and key != "hmcssvi_paper"
+        warm_structured(runs[key], spec_model, method, seed, max_iter, full, kw)
+    long_hists = {}
+    long_kw = {"backend": "numba"} if "hmcssvi_numba" in runs else {}
+    for method in ("hmcssvi", "mcssvi"):
+        log(f"{method}: long run of {cfg['long_iters']} iterations {long_kw}")
+        h, err = long_run(spec_model, method, seed, cfg["long_iters"], long_kw)
+        if h is not None:
+            long_hists[method] = h
+        else:
+            notes.append(f"{method} long run failed: {err}")
+    optimum = min(float(np.min(h)) for h in long_hists.values()) if long_hists else np.nan
+    log(f"optimum -ELBO {optimum:.6f}")
+    np_hist, step_timing = None, None
+    if want("step timing"):
+        log("NumPy H-MC-SSVI cross-check")
+        np_hist = numpy_hmcssvi(X, y, iters=cfg["long_iters"] // 2)
+        # ------------------------------------------------------ per-iteration timing
+        step_timing = time_step(spec_model, data, seed, cfg["step_reps"])
+    # ---------------------------------------------------------- PyMC ADVI / FullRankADVI
+    pymc_configs = [
+        ("ADVI", "advi", cfg["advi_iters"], None),
+        ("FullRankADVI", "fullrank_advi", cfg["fr_iters"], None),
+        ("FullRankADVI (lr 0.01)", "fullrank_advi", cfg["fr_iters"], 0.01),
+    ]
+    for name, method, n, lr in pymc_configs:
+        if not want(name):
+            continue
+        opt = None if lr is None else pm.adagrad_window(learning_rate=lr)
+        runs[name] = run_pymc_vi(name, spec_model, potential_model, method, n, cfg, seed, opt)
+        if runs[name].final is not None:
+            model = spec_model if runs[name].extra["model"] == "spec" else potential_model
+            opt = None if lr is None else pm.adagrad_window(learning_rate=lr)
+            warm_pymc_vi(runs[name], model, method, cfg["warm_pymc_iters"], seed, opt)
+    # ---------------------------------------------------------- NumPyro
+    if not args.skip_numpyro:
+        for lr in (0.01, 0.003):
+            name = f"NumPyro AutoMVN (Adam {lr})"
+            if not want(name):
+                continue
+            runs[name] = run_numpyro(
+                name, data, cfg, seed, lr, cfg["numpyro_steps"], cfg["numpyro_chunk"]
+            )
+    # ---------------------------------------------------------- NUTS
+    nuts = run_nuts(spec_model, cfg, seed, data_key(cfg, seed), args.reuse_nuts)
+    ref = np.asarray(nuts["draws"])
+    ref_mean, ref_sd = ref.mean(0), ref.std(0, ddof=1)
+    nll_nuts = heldout_nll(ref, data.X_test, data.y_test)
+    nuts_summary = {
+        k: (v.item() if isinstance(v, np.ndarray) and v.ndim == 0 else v)
+        for k, v in nuts.items()
+        if k != "draws"
+    }
+    nuts_summary["nll"] = nll_nuts
+    # the reference moments, so that later runs can be compared without the draws
+    nuts_summary["mean"], nuts_summary["sd"] = ref_mean, ref_sd
+    # cached draws: the record of this run (the draws' own run is not stored in the cache)
+    nuts_summary.setdefault("run", common.run_record())
+    log(f"NUTS held-out NLL {nll_nuts:.6f}")
+
+    # ---------------------------------------------------------- analysis
+    log("evaluating snapshots")
+    z_draws = np.random.default_rng(12345).standard_normal((cfg["n_draws"], D))
+    methods = {}
+    for run in runs.values():
+        res = analyse(run, data, ref_mean, ref_sd, nll_nuts, z_draws, cfg)
+        if run.kind == "structured" and run.hist is not None:
+            p = passes_to_optimum(run.hist, optimum)
+            res["passes_to_optimum"] = p
+            res["time_to_optimum"] = float(run.rec.times[p - 1]) if p else None
+            res["final_negelbo_plugin"] = float(run.hist[-1])
+            res["hist"] = run.hist
+        elif run.kind == "minibatch" and res.get("curve") is not None:
+            c = res["curve"]
+            neg = np.asarray(c["negelbo"], dtype="float64")
+            ok = np.isfinite(neg) & (neg - optimum <= 1e-4 * abs(optimum))
+            t_opt, i_opt = common.first_sustained(c["time"], ok)
+            res["time_to_optimum"] = t_opt
+            res["iter_to_optimum"] = None if i_opt is None else int(c["iteration"][i_opt])
+            res["hist"] = downsample(run.hist) if run.hist is not None else None
+        methods[run.name] = res
+    meta["methods_run"] = names
+    if old is not None:
+        methods, step_timing, np_hist = merge_old(old, methods, optimum, step_timing, np_hist)
+        meta["load_end"] = common.machine_info().get("loadavg")
+        old_meta = old["meta"]
+        old_meta.setdefault("later_runs", []).append(meta)
+        meta = old_meta
+        record = old.get("run") or common.legacy_record(old_meta)
+    # ---------------------------------------------------------- targets
+    targets = compute_targets(methods, step_timing)
     analysis = explain(methods, targets, step_timing, nll_nuts)
+
     # ---------------------------------------------------------- notes
     for name, r in methods.items():
         for n in r.get("notes", []):
@@ -1358,7 +1539,7 @@ def _main(args, cfg, tmp_cache):
             )
         if r.get("nan_losses"):
             notes.append(f"{name}: {r['nan_losses']} non-finite per-step losses.")
-    if "hmcssvi" in long_hists:
+    if "hmcssvi" in long_hists and np_hist is not None:
         notes.append(
             f"Independent NumPy H-MC-SSVI (12 nodes) reaches -ELBO {np_hist[-1]:.4f} vs the plugin's optimum "
             f"{optimum:.4f} (difference {np_hist[-1] - optimum:+.2e})."
@@ -1376,8 +1557,7 @@ def _main(args, cfg, tmp_cache):
         "notes": notes,
         "analysis": analysis,
     }
-    meta["load_end"] = common.machine_info().get("loadavg")
-    out = RESULTS / ("glm_logistic_quick.json" if args.quick else "glm_logistic.json")
+    meta.setdefault("load_end", common.machine_info().get("loadavg"))
     common.save_json(results, out)
     log(f"wrote {out}")
     docs = args.docs_path or (None if (args.no_docs or args.quick) else common.DOCS_PATH)

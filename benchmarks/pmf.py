@@ -29,6 +29,12 @@ the U = V = 0 saddle) and with the same fixed likelihood parameters:
   subsampling ``row_subsample=B`` for the sizes in ``FULL["subsample"]`` (labels
   ``"H-MC-SSVI B=5"`` etc.); MC-SSVI at the smallest B (in full batch it
   coincides with H-MC-SSVI);
+* the paper's algorithms at the same sizes: H-MC-SSVI with an Adagrad(1.0) mean
+  step (``"H-MC-SSVI (paper: Adagrad)"``; the package's default mean step is the
+  natural one) and S-DSVI with Adagrad(1.0) on both steps (``"S-DSVI (paper:
+  Adagrad)"``; the default is Adam 0.1); and MC-SSVI with the paper's large
+  subsample (``FULL["mcssvi_large"]``: B = 250 on the synthetic binary matrix, the
+  run the paper's appendix calls unstable), with a longer cap;
 * PyMC ADVI (mean field, ``backend="jax"``: 1.9x faster per iteration than numba
   on InstEval ordinal, 8.4 vs 15.6 ms);
 * NumPyro SVI with ``AutoNormal`` (Adam) on the same model written in NumPyro;
@@ -53,9 +59,11 @@ timed in a subprocess of its own in the same run, for every H-MC-SSVI setting,
 and checked against the plugin's ``StructuredBound`` on small problems
 (``check_numpy_reference``).
 
-Run ``python benchmarks/pmf.py`` (about 75 minutes on 2 cores); ``--quick`` is a
+Run ``python benchmarks/pmf.py`` (about two hours on 2 cores); ``--quick`` is a
 small smoke test (a few minutes, writes ``benchmarks/results/pmf_quick.json``
-only), ``--only insteval_binary,reuters`` restricts the data sets, ``--reuse``
+only), ``--only insteval_binary,reuters`` restricts the data sets, ``--methods
+LABEL,...`` runs only those methods and keeps the other methods (and the NumPy
+reference) of the data sets in an existing results file, ``--reuse``
 reuses cached per-method results from ``benchmarks/.cache/pmf/``,
 ``--report-from FILE`` re-renders the docs section and plot from a results JSON.
 Writes ``benchmarks/results/pmf.json``, the ``pmf`` section of
@@ -103,7 +111,22 @@ BASELINES = ["ADVI", "NumPyro AutoNormal", "MAP (AutoDelta)"]
 #: PyMC ADVI again, run until its held-out NLL has settled (data sets with a cap in
 #: ``cfg["advi_long_max_seconds"]``): the issue's "ADVI's final held-out NLL".
 ADVI_LONG = "ADVI (long)"
-STRUCTURED = {"H-MC-SSVI": "HMCSSVI", "MC-SSVI": "MCSSVI", "S-DSVI": "SDSVI"}
+#: The paper's algorithms: its H-MC-SSVI (Adagrad mean step) and its S-DSVI (Adagrad steps).
+PAPER_H = "H-MC-SSVI (paper: Adagrad)"
+PAPER_S = "S-DSVI (paper: Adagrad)"
+ADAGRAD = ("adagrad", 1.0)
+STRUCTURED = {
+    "H-MC-SSVI": "HMCSSVI",
+    "MC-SSVI": "MCSSVI",
+    "S-DSVI": "SDSVI",
+    PAPER_H: "HMCSSVI",
+    PAPER_S: "SDSVI",
+}
+#: Options of the algorithms (beside the per-data-set ones of STRUCTURED_KWARGS).
+ALGO_KWARGS = {
+    PAPER_H: {"mean_optimizer": ADAGRAD},
+    PAPER_S: {"mean_optimizer": ADAGRAD, "factor_optimizer": ADAGRAD},
+}
 #: Extra options of the structured methods per data set (none: the default start
 #: works on every data set since the ordinal likelihood is evaluated stably).
 STRUCTURED_KWARGS: dict = {}
@@ -115,6 +138,8 @@ BASE_COLORS = {
     ADVI_LONG: "k",
     "NumPyro AutoNormal": "C1",
     "MAP (AutoDelta)": "C5",
+    PAPER_H: "C4",
+    PAPER_S: "C6",
 }
 
 #: Backend of PyMC's ADVI: its fastest (InstEval ordinal, 3000 iterations: JAX
@@ -180,6 +205,9 @@ FULL = dict(
     elbo_max_train=100_000,
     numpy_reps=2,
     worker_timeout=900.0,
+    # MC-SSVI with the paper's large subsample (its appendix: "unstable in PMF"), and its cap
+    mcssvi_large={"synth_binary": 250},
+    max_seconds_large=240.0,
 )
 QUICK = dict(
     K_real=4,
@@ -210,6 +238,8 @@ QUICK = dict(
     elbo_max_train=100_000,
     numpy_reps=2,
     worker_timeout=300.0,
+    mcssvi_large={"synth_binary": 40},
+    max_seconds_large=20.0,
 )
 
 
@@ -227,12 +257,17 @@ def parse_variant(label: str):
 
 
 def structured_variants(name: str, cfg: dict) -> list:
-    """Structured methods of one data set: H-MC-SSVI and S-DSVI at every size, MC-SSVI at the smallest."""
+    """Structured methods of one data set: H-MC-SSVI and S-DSVI (defaults and the paper's) at
+    every size, MC-SSVI at the smallest (and at the paper's large subsample where configured)."""
     Bs = cfg["subsample"].get(name, cfg["subsample"]["default"])
     full = cfg["full_batch"].get(name, cfg["full_batch"]["default"])
     sizes = ([None] if full else []) + list(Bs)
     out = [variant("H-MC-SSVI", B) for B in sizes] + [variant("S-DSVI", B) for B in sizes]
     out.append(variant("MC-SSVI", min(Bs) if Bs else None))
+    out += [variant(PAPER_H, B) for B in sizes] + [variant(PAPER_S, B) for B in sizes]
+    large = cfg.get("mcssvi_large", {}).get(name)
+    if large:
+        out.append(variant("MC-SSVI", large))
     return out
 
 
@@ -256,6 +291,25 @@ def method_style(label: str, sizes: list) -> dict:
     if B is None:
         return dict(color=color, ls="-")
     return dict(color=color, ls="--" if B == Bs[0] else ":")
+
+
+def legacy_pmf_record(meta: dict, dataset: str) -> dict:
+    """``run`` record of an entry written before entries carried their own: the file's meta
+    describes its last run, which ran ``meta["datasets"]``; other data sets' runs are not
+    recorded."""
+    if dataset in meta.get("datasets", []):
+        return common.legacy_record(meta)
+    machine = dict(meta.get("machine") or {})
+    machine.pop("loadavg", None)
+    return {
+        "commit": None,
+        "date": None,
+        "machine": machine,
+        "loadavg": None,
+        "mode": "quick" if meta.get("quick") else "full",
+        "source": "not recorded (written before per-entry run records, by a run the file's "
+        "meta does not describe)",
+    }
 
 
 def rss_mb() -> float:
@@ -771,6 +825,8 @@ def worker_structured(ds, method, cfg, seed, evaluator, elbo, res):
     start = start_values(ds, seed)
     max_iter = cfg["max_iter"]
     cap = cap_for(cfg["max_seconds"], ds["name"])
+    if algo == "MC-SSVI" and B is not None and B == cfg.get("mcssvi_large", {}).get(ds["name"]):
+        cap = cfg["max_seconds_large"]
     res.update(max_iter=max_iter, max_seconds=cap, row_subsample=B, custom_ordinal=False)
     rss0 = rss_mb()
     rec = None
@@ -778,6 +834,7 @@ def worker_structured(ds, method, cfg, seed, evaluator, elbo, res):
     try:
         with model:
             kw = dict(STRUCTURED_KWARGS.get(ds["name"], {}))
+            kw.update(ALGO_KWARGS.get(algo, {}))
             if B is not None:
                 kw["row_subsample"] = B
             res["inf_kwargs"] = kw
@@ -1554,53 +1611,61 @@ def analyse(results):
                 d[f"{tid}_{B}"] = dict(
                     advi_time=ta, hmc_time=th, ratio=ratio, ratio_ex_setup=ratio_ex
                 )
-        # --- T2: H-MC-SSVI converges faster than S-DSVI, per condition (data set x B)
-        for B in sizes:
-            H, S = m.get(variant("H-MC-SSVI", B), {}), m.get(variant("S-DSVI", B), {})
-            cond = "full batch" if B is None else f"B={B}"
-            text = f"{name}, {cond}: H-MC-SSVI converges faster than S-DSVI"
-            th_, vh, _ = curve_arrays(H, "negelbo")
-            ts_, vs, _ = curve_arrays(S, "negelbo")
-            if not len(vh) or not len(vs):
+        # --- T2: H-MC-SSVI converges faster than S-DSVI, per condition (data set x B): the
+        # defaults, and the paper's algorithms (both with Adagrad) where they ran
+        for h_algo, s_algo, tag in (
+            ("H-MC-SSVI", "S-DSVI", ""),
+            (PAPER_H, PAPER_S, "paper_"),
+        ):
+            for B in sizes:
+                hl, sl = variant(h_algo, B), variant(s_algo, B)
+                if tag and (hl not in m or sl not in m):
+                    continue
+                H, S = m.get(hl, {}), m.get(sl, {})
+                cond = "full batch" if B is None else f"B={B}"
+                text = f"{name}, {cond}: {h_algo} converges faster than {s_algo}"
+                th_, vh, _ = curve_arrays(H, "negelbo")
+                ts_, vs, _ = curve_arrays(S, "negelbo")
+                if not len(vh) or not len(vs):
+                    targets.append(
+                        {
+                            "id": f"vs_sdsvi_{tag}{name}_{B}",
+                            "dataset": name,
+                            "text": text,
+                            "status": "MISS",
+                            "measured": "not measurable (a run failed: "
+                            + (H.get("error") or S.get("error") or "?")[:100]
+                            + ")",
+                            "value": None,
+                        }
+                    )
+                    continue
+                lev = max(np.nanmin(vh), np.nanmin(vs))
+                tbh = time_to_level(H, lev, ELBO_REL_TOL, "negelbo")
+                tbs = time_to_level(S, lev, ELBO_REL_TOL, "negelbo")
+                ok = bool(tbh == tbh and (tbs != tbs or tbh < tbs))
+                txt = (
+                    f"fresh-MC -ELBO within {100 * ELBO_REL_TOL:.1f}% of {lev:,.0f} (the worse of the two best values): "
+                    f"{h_algo} {fmt(tbh, '.1f')} s, {s_algo} {fmt(tbs, '.1f')} s"
+                    + (" (never, or did not stay)" if tbs != tbs else "")
+                    + f"; best -ELBO H {np.nanmin(vh):,.0f}, S {np.nanmin(vs):,.0f}"
+                )
+                fh, fs = curve_final(H), curve_final(S)
+                if fh is not None and fs is not None:
+                    level = max(fh, fs)
+                    th, ts = time_to_level(H, level), time_to_level(S, level)
+                    txt += f"; held-out NLL {level:.4f} (worse final): {fmt(th, '.1f')} s vs {fmt(ts, '.1f')} s"
                 targets.append(
                     {
-                        "id": f"vs_sdsvi_{name}_{B}",
+                        "id": f"vs_sdsvi_{tag}{name}_{B}",
                         "dataset": name,
                         "text": text,
-                        "status": "MISS",
-                        "measured": "not measurable (a run failed: "
-                        + (H.get("error") or S.get("error") or "?")[:100]
-                        + ")",
-                        "value": None,
+                        "status": status(ok),
+                        "measured": txt,
+                        "value": (tbh, tbs),
                     }
                 )
-                continue
-            lev = max(np.nanmin(vh), np.nanmin(vs))
-            tbh = time_to_level(H, lev, ELBO_REL_TOL, "negelbo")
-            tbs = time_to_level(S, lev, ELBO_REL_TOL, "negelbo")
-            ok = bool(tbh == tbh and (tbs != tbs or tbh < tbs))
-            txt = (
-                f"fresh-MC -ELBO within {100 * ELBO_REL_TOL:.1f}% of {lev:,.0f} (the worse of the two best values): "
-                f"H-MC-SSVI {fmt(tbh, '.1f')} s, S-DSVI {fmt(tbs, '.1f')} s"
-                + (" (never, or did not stay)" if tbs != tbs else "")
-                + f"; best -ELBO H {np.nanmin(vh):,.0f}, S {np.nanmin(vs):,.0f}"
-            )
-            fh, fs = curve_final(H), curve_final(S)
-            if fh is not None and fs is not None:
-                level = max(fh, fs)
-                th, ts = time_to_level(H, level), time_to_level(S, level)
-                txt += f"; held-out NLL {level:.4f} (worse final): {fmt(th, '.1f')} s vs {fmt(ts, '.1f')} s"
-            targets.append(
-                {
-                    "id": f"vs_sdsvi_{name}_{B}",
-                    "dataset": name,
-                    "text": text,
-                    "status": status(ok),
-                    "measured": txt,
-                    "value": (tbh, tbs),
-                }
-            )
-            d[f"vs_sdsvi_{B}"] = (lev, tbh, tbs)
+                d[f"vs_sdsvi_{tag}{B}"] = (lev, tbh, tbs)
         # --- T3: memory on InstEval
         if name.startswith("insteval"):
             rss = {k: v.get("peak_rss_fit_mb") for k, v in m.items() if v.get("peak_rss_fit_mb")}
@@ -1776,7 +1841,16 @@ def render(results, plot_rel=PLOT_REL):
         f"commit {meta['code_start'].get('commit')} (plugin sources {meta['code_start'].get('plugin_sources_sha1')}"
         f"{', modified during the run' if meta['code_start'].get('plugin_sources_sha1') != meta.get('code_end', {}).get('plugin_sources_sha1') else ', unchanged during the run'}). "
         f"Total {meta.get('total_wall', 0) / 60:.0f} min. Reproduce: `python benchmarks/pmf.py` "
-        "(`--only NAME,...`, `--reuse`, `--quick`)."
+        "(`--only NAME,...`, `--methods LABEL,...`, `--reuse`, `--quick`)."
+        + "".join(
+            f" Methods {lr.get('methods')} of {', '.join(lr.get('datasets', []))} re-run {lr['date']} "
+            f"at commit {lr['code_start'].get('commit')}"
+            + (" (plugin modified)" if lr["code_start"].get("plugin_dirty") else "")
+            + f", {lr.get('total_wall', 0) / 60:.0f} min (load {lr.get('load_start')} / "
+            f"{lr.get('load_end')}); each method's `run` record in the JSON says which run it comes "
+            "from, and times compare only within one run."
+            for lr in meta.get("later_runs", [])
+        )
     )
     L.append("")
     L.append(
@@ -1805,7 +1879,12 @@ def render(results, plot_rel=PLOT_REL):
         "the factor being moved uses at most B of its observations, weight |O_j|/|M_j|; the default schedule is then "
         '`"power"` and convergence is judged on windowed averages). Settings per data set: '
         f"{sub_txt}. **MC-SSVI** at the smallest B of each data set (in full batch its trace coincides with "
-        "H-MC-SSVI's, as the default H-MC-SSVI mean step is the natural one). Structured methods stop at the plugin's "
+        "H-MC-SSVI's, as the default H-MC-SSVI mean step is the natural one). **H-MC-SSVI (paper: Adagrad)** and "
+        "**S-DSVI (paper: Adagrad)** = the paper's algorithms at the same settings (where the results have them): "
+        "`HMCSSVI(mean_optimizer=('adagrad', 1.0))` and `SDSVI(mean_optimizer=('adagrad', 1.0), "
+        "factor_optimizer=('adagrad', 1.0))`. **MC-SSVI** with the paper's large subsample "
+        f"({', '.join(f'{k}: B={v}' for k, v in cfg.get('mcssvi_large', {}).items()) or 'none'}; cap "
+        f"{cfg.get('max_seconds_large', 0):.0f} s), the run the paper's appendix calls unstable. Structured methods stop at the plugin's "
         f"convergence test or at the wall-time cap {caps(cfg['max_seconds'])} (incl. set-up; max "
         f"{cfg['max_iter']} iterations). **ADVI** = `pm.fit(method='advi', backend='{ADVI_BACKEND}')` (PyMC defaults), cap "
         f"{cfg['advi_iters']} iterations / {caps(cfg['advi_max_seconds'])}. **NumPyro** = the same model in NumPyro, "
@@ -2162,10 +2241,30 @@ def main(argv=None):
     log(f"NumPy reference vs plugin: {meta['numpy_check']}")
     out_path = RESULTS / ("pmf_quick.json" if args.quick else "pmf.json")
     results = {"meta": meta, "datasets": {}, "probes": PROBES}
-    if args.only and out_path.exists() and not args.quick:
-        # keep the other data sets of an earlier full run
+    old = None
+    if args.methods and out_path.exists():
+        # add methods to an earlier run: its data sets, their other methods and its meta stay
         old = json.loads(out_path.read_text())
-        results["datasets"] = {k: v for k, v in old.get("datasets", {}).items() if k not in names}
+        for dname, dsold in old.get("datasets", {}).items():
+            rec = legacy_pmf_record(old["meta"], dname)
+            dsold.setdefault("run", rec)
+            for r in dsold.get("methods", {}).values():
+                r.setdefault("run", rec)
+            if dsold.get("numpy"):
+                dsold["numpy"].setdefault("run", rec)
+        results["datasets"] = old["datasets"]
+        for k, v in cfg.items():  # settings added since (the earlier run did not use them)
+            old["meta"]["cfg"].setdefault(k, v)
+        # the earlier run's meta stays (it describes its data sets); this run is recorded beside it
+        meta["methods"] = args.methods
+        old["meta"].setdefault("later_runs", []).append(meta)
+        results["meta"] = old["meta"]
+    elif args.only and out_path.exists() and not args.quick:
+        # keep the other data sets of an earlier full run
+        old_full = json.loads(out_path.read_text())
+        results["datasets"] = {
+            k: v for k, v in old_full.get("datasets", {}).items() if k not in names
+        }
     for name in names:
         ds = load_dataset(name, cfg, args.seed)
         log(f"data {name}: {ds['info']}")
@@ -2184,14 +2283,24 @@ def main(argv=None):
         }
         methods = structured_variants(name, cfg) + baselines_of(name, cfg)
         if args.methods:
-            methods = [s.strip() for s in args.methods.split(",")]
+            wanted = [s.strip() for s in args.methods.split(",") if s.strip()]
+            # labels without " B=": that algorithm at every size of the data set
+            methods = [m for m in methods if m in wanted or parse_variant(m)[0] in wanted] + [
+                m for m in wanted if m == "numpy"
+            ]
+            if old is not None and name in results["datasets"]:
+                entry = results["datasets"][name]
+                entry.setdefault("later_runs", []).append(common.run_record())
         for method in methods:
+            if method == "numpy":
+                continue
             reuse = args.reuse or (args.reuse_baselines and method in baselines_of(name, cfg))
             entry["methods"][method] = run_worker(name, method, cfg, args.seed, reuse, args.quick)
             results["datasets"][name] = entry
             common.save_json(results, out_path)  # partial results survive an interruption
-        reuse = args.reuse or args.reuse_baselines
-        entry["numpy"] = run_worker(name, "numpy", cfg, args.seed, reuse, args.quick)
+        if not args.methods or "numpy" in methods:
+            reuse = args.reuse or args.reuse_baselines
+            entry["numpy"] = run_worker(name, "numpy", cfg, args.seed, reuse, args.quick)
         results["datasets"][name] = entry
         common.save_json(results, out_path)
     results["datasets"] = {k: results["datasets"][k] for k in DATASETS if k in results["datasets"]}

@@ -37,6 +37,7 @@ from typing import NamedTuple
 import numpy as np
 import pytensor
 import pytensor.tensor as pt
+from pytensor.gradient import pushforward
 from pytensor.graph.basic import Constant
 from pytensor.graph.replace import graph_replace
 from pytensor.graph.rewriting.basic import in2out, node_rewriter
@@ -118,6 +119,14 @@ class HyperSpec:
             out[v] = flat[off : off + n].reshape(shp).astype(v.dtype)
             off += n
         return out
+
+
+def _saddle_free(curvature, floor=1e-8):
+    """``curvature`` with its eigenvalues in absolute value (floored): positive definite."""
+    C = 0.5 * (curvature + curvature.T)
+    lam, V = pt.linalg.eigh(C)
+    scale = pt.maximum(pt.abs(lam), floor * pt.maximum(pt.max(pt.abs(lam)), 1.0))
+    return (V * scale[None, :]) @ V.T
 
 
 def newton_direction(grad, hess, floor=1e-8):
@@ -527,9 +536,19 @@ class PointHyperparameters:
         """The candidate back at the accepted estimate (values)."""
         return state._replace(cand=np.copy(state.base), cand_opt=tuple(state.base_opt))
 
-    def evaluate(self, state: PointHyperState, outputs, n_values=1, entropy=True):
+    def with_linear_response(self, state: PointHyperState, response_shapes):
+        """``state`` unchanged: a point has no q(h) to view (the interface's sake)."""
+        return state
+
+    def evaluate(self, state: PointHyperState, outputs, n_values=1, entropy=True, cross=()):
         """Outputs at the candidate ``h``, plus finiteness and the derivatives in ``h``
-        (a point has no entropy: ``entropy`` is for the interface's sake)."""
+        (a point has no entropy: ``entropy`` is for the interface's sake).
+
+        For the outputs at the positions ``cross`` (q(w)'s gradients ``g_s`` and
+        Hessians ``H_s``), the auxiliary result also holds their derivatives in ``h``,
+        of shape ``x.shape + (n_h,)`` (``None`` where ``x`` does not depend on ``h``),
+        by forward-mode products (one per coordinate of ``h``).
+        """
         outs = graph_replace(outputs, self.spec.replacements(state.cand), strict=False)
         if self.spec.optimizer is None:  # the Newton step differentiates twice
             outs = twice_differentiable_products(outs)
@@ -538,11 +557,25 @@ class PointHyperparameters:
         grad = pt.grad(pt.switch(ok, value, 0.0), state.cand)
         hess = jacobian(grad, state.cand) if self.spec.optimizer is None else None
         finite = _finite(grad) if hess is None else _finite(grad, hess)
-        return outs, finite, (grad, hess)
+        if not cross:
+            return outs, finite, (grad, hess)
+        crosses = [self._cross(outs[i], state.cand) for i in cross]
+        present = [c for c in crosses if c is not None]
+        if present:
+            finite = finite & _finite(*present)
+        return outs, finite, (grad, hess, crosses)
+
+    def _cross(self, x, h):
+        """``d x / d h`` as ``x.shape + (n_h,)``, or ``None`` (``x`` free of ``h``)."""
+        if not depends_on_any(x, [h]):
+            return None
+        eye = np.eye(self.spec.size)
+        cols = [pushforward(x, h, pt.constant(eye[j])) for j in range(self.spec.size)]
+        return pt.stack(cols, axis=-1)
 
     def accept(self, state: PointHyperState, accept, aux) -> PointHyperState:
         """The accepted estimate, gradient and Hessian after the candidate's verdict."""
-        grad, hess = aux
+        grad, hess = aux[:2]
         sel = lambda a, b: pt.switch(accept, a, b)  # noqa: E731
         base_opt = state.base_opt
         if self.spec.optimizer is not None:
@@ -558,7 +591,28 @@ class PointHyperparameters:
         )
 
     def step(self, state: PointHyperState, rho, scale, t, coupling=None):
-        """The next candidate from the accepted state; returns ``(state, None)``."""
+        """The next candidate from the accepted state; returns ``(state, joint)``.
+
+        With ``coupling`` (see :meth:`MeanFieldHyperparameters.step`), ``h`` takes the
+        Newton step on the bound with q(w) eliminated and q(w) follows it
+        (:func:`joint_newton_step`; ``joint`` holds q(w)'s shifts): the separate steps
+        converge like EM, a sparse GP's kernel in 2,800 iterations (60 s).
+        """
+        if self.spec.optimizer is None and coupling is not None:
+            grad = _safe(state.grad)
+            separate = _capped(rho * newton_direction(grad, _safe(state.hess)), self.spec.max_step)
+            joint = joint_newton_step(
+                grad, _saddle_free(-_safe(state.hess)), rho, *coupling, max_step=self.spec.max_step
+            )
+            ok = pt.all(pt.isfinite(joint.delta_h))
+            joint = joint._replace(
+                shifts=[None if x is None else pt.switch(ok, x, 0.0) for x in joint.shifts],
+                precision_shifts=[
+                    None if x is None else pt.switch(ok, x, 0.0) for x in joint.precision_shifts
+                ],
+            )
+            cand = state.base + pt.switch(ok, joint.delta_h, separate)
+            return state._replace(cand=cand), joint
         if self.spec.optimizer is None:
             delta = rho * newton_direction(_safe(state.grad), _safe(state.hess))
             cand_opt = state.cand_opt

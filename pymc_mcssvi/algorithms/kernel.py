@@ -167,7 +167,10 @@ class StepKernel:
         self.n_phases = len(getattr(bound, "phase_segments", [None]))
         self.coupled = (
             self.hypers is not None
-            and self.hypers.mode == "meanfield"
+            and (
+                self.hypers.mode == "meanfield"
+                or self.hypers.mode == "point" and self.hypers.spec.optimizer is None
+            )
             and self.monotone
             and self.n_phases == 1
             and algorithm.parameterization == "precision"

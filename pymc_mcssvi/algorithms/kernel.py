@@ -169,7 +169,7 @@ class StepKernel:
             self.hypers is not None
             and (
                 self.hypers.mode == "meanfield"
-                or self.hypers.mode == "point" and self.hypers.spec.optimizer is None
+                or (self.hypers.mode == "point" and self.hypers.spec.optimizer is None)
             )
             and self.monotone
             and self.n_phases == 1

@@ -942,8 +942,34 @@ def merge_old(old, methods, optimum, step_timing, np_hist):
     return {n: merged[n] for n in method_order(merged)}, step_timing, np_hist
 
 
+#: numbers of an analysed row that a results file stores as null when they are NaN
+_NAN_KEYS = ("time_to_nll", "time_to_nuts_accuracy", "nll_rel_diff", "rms_z", "per_iter", "setup")
+_NAN_SUB = {
+    "plateau": ("time", "drift", "final"),
+    "warm": ("time_to_nuts_accuracy", "time_to_nll", "plateau_time", "wall", "setup"),
+}
+
+
+def nan_view(methods):
+    """Copies of the rows with the NaNs a JSON round trip turned into None restored (rows
+    kept from an earlier run's file), for the computations that test ``x == x``."""
+
+    def fix(d, keys):
+        return {k: (np.nan if k in keys and v is None else v) for k, v in d.items()}
+
+    out = {}
+    for name, r in methods.items():
+        r = fix(r, _NAN_KEYS)
+        for sub, keys in _NAN_SUB.items():
+            if isinstance(r.get(sub), dict):
+                r[sub] = fix(r[sub], keys)
+        out[name] = r
+    return out
+
+
 def compute_targets(methods, step_timing):
     """The targets (PASS / MISS) of the run, from the analysed methods and the step timing."""
+    methods = nan_view(methods)
     targets = []
     H = methods.get("H-MC-SSVI", {})
 
@@ -1521,8 +1547,12 @@ def _main(args, cfg, tmp_cache):
         meta = old_meta
         record = old.get("run") or common.legacy_record(old_meta)
     # ---------------------------------------------------------- targets
-    targets = compute_targets(methods, step_timing)
-    analysis = explain(methods, targets, step_timing, nll_nuts)
+    try:
+        targets = compute_targets(methods, step_timing)
+        analysis = explain(nan_view(methods), targets, step_timing, nll_nuts)
+    except Exception as e:  # the measurements are saved whatever happens here
+        traceback.print_exc()
+        targets, analysis = [], f"targets not computed: {type(e).__name__}: {e}"
 
     # ---------------------------------------------------------- notes
     for name, r in methods.items():

@@ -606,8 +606,12 @@ def findings(res, nuts):
     out = {}
     hm = by.get("H-MC-SSVI")
     opt_names = [n for n in OPTIMAL_FULL if n in by]
-    best = min((by[n]["nll_exact"] for n in opt_names), default=np.nan)
+    # the level: the best final NLL of the runs that converged (the bound's optimum); a run
+    # stopped at its cap is still moving, and its final NLL can be below the optimum's
+    done = [n for n in opt_names if by[n].get("converged")] or opt_names
+    best = min((by[n]["nll_exact"] for n in done), default=np.nan)
     out["best_optimal_nll_exact"] = best
+    out["best_from"] = done
     for r in res:
         if r.get("curve"):
             r["time_to_best"] = time_to(r["curve"], best)
@@ -751,8 +755,9 @@ def report(results, docs_path, plot_rel):
         '(w1, w2) in probability space; "exact-in-w1" integrates the Gaussian q(w1) analytically '
         "and q(w2) on 64 quantiles (used for the curves). Wall time includes model recognition and "
         'compilation; the NLL evaluation at log-spaced snapshots is excluded. "time to best NLL": '
-        f"first time after which the curve stays within {NLL_ATOL} nats/obs of the best final "
-        "exact NLL among the optimal-bound full-batch runs. -ELBO: the plugin's bound for the "
+        f"first time after which the curve stays within {NLL_ATOL} nats/obs of (or below) the best "
+        "final exact NLL among the optimal-bound full-batch runs that converged (the bound's "
+        "optimum; a run stopped at its cap is still moving). -ELBO: the plugin's bound for the "
         "structured runs (optimal or Jensen), PyMC's MC estimate averaged over the last 1000 "
         "iterations for ADVI (same model, so all GME values bound the same -log p(y)); the GLM's is "
         'for a different model. "(cap)": stopped at the iteration/time cap, not converged.',
@@ -942,6 +947,11 @@ def main(argv=None):
         import json
 
         results = json.loads(Path(args.report_from).read_text())
+        results["findings"] = findings(results["runs"], None)
+        results["findings_text"] = findings_text(
+            results["runs"], results["findings"], results.get("nuts")
+        )
+        common.save_json(results, args.report_from)
         make_plot(results["runs"], PLOT, results["meta"])
         report(results, common.DOCS_PATH, "_static/gme_nll_vs_time.png")
         return results
@@ -1034,7 +1044,17 @@ def _main(args, cfg):
         runs.append(run)
 
     mb_model = None
-    for name, color, kw in ((MB, "C5", {}), (MB_PAPER, "C9", {"mean_optimizer": ADAGRAD})):
+    # Workarounds, to remove once the plugin handles them: (1) a chunked step (automatic
+    # above 32 MB of intermediates) on a pm.Minibatch model fails to compile ("No update found
+    # for at least one RNG used in Scan Op"), so the minibatch fits run unchunked; (2) the
+    # full-data steps that end a minibatch fit fail when the model has a local per row
+    # ("Incompatible Elemwise input shapes [(2000,), (20000,)]"), so they end on the iterate
+    # average (polish=False), as the paper's minibatch runs do.
+    mb_kw = {"chunk_size": 10**9, "polish": False}
+    for name, color, kw in (
+        (MB, "C5", dict(mb_kw)),
+        (MB_PAPER, "C9", {**mb_kw, "mean_optimizer": ADAGRAD}),
+    ):
         if not want(name):
             continue
         run = Run(name, "minibatch", color, ":")

@@ -443,8 +443,9 @@ def _gme_runs(gme: Result | None):
 
 
 def claim_gme_speed(gme: Result | None) -> str:
-    """Claim 4. *S-DSVI slowest*: every S-DSVI run reaches the best NLL (within 1e-3 nats of
-    the best final NLL of the optimal-bound full-batch runs) no sooner than every
+    """Claim 4. *S-DSVI slowest*: every S-DSVI run reaches the optimum's NLL (``time_to_best``
+    of ``benchmarks/gme.py``: within 1e-3 nats of, or below, the best final NLL of the
+    optimal-bound full-batch runs that converged) no sooner than every
     natural-gradient run (never counts as last). *H-MC-SSVI fastest*: the paper's
     H-MC-SSVI reaches it first, then MC-SSVI; the package's default H-MC-SSVI coincides with
     MC-SSVI in full batch (identical traces count as a tie)."""
@@ -464,7 +465,7 @@ def claim_gme_speed(gme: Result | None) -> str:
     sd_txt = ", ".join(
         f"{s} {times(tt[s], tt[ref], '.1f')} H-MC-SSVI's time"
         if finite(t[s])
-        else f"{s} not within 0.001 of the best NLL after {f(G[s].get('wall'), '.0f')} s"
+        else f"{s} not within 0.001 of it after {f(G[s].get('wall'), '.0f')} s"
         for s in sd
     )
     same = False
@@ -475,7 +476,11 @@ def claim_gme_speed(gme: Result | None) -> str:
             abs(x - y) <= 1e-10 * max(1.0, abs(y)) for x, y in zip(ha, hb, strict=True)
         )
     paper_first = PAPER_H in t and all(tt[PAPER_H] <= tt[n] for n in natural)
-    txt = f"**S-DSVI slowest: {'confirmed' if slow else 'refuted'}** ({sd_txt} to the best NLL). "
+    level = (gme.data.get("findings") or {}).get("best_optimal_nll_exact")
+    txt = (
+        f"**S-DSVI slowest: {'confirmed' if slow else 'refuted'}** ({sd_txt} to the held-out NLL "
+        f"of the bound's optimum, {f(level)}). "
+    )
     if paper_first:
         txt += "**H-MC-SSVI fastest: confirmed** for the paper's H-MC-SSVI"
     else:
@@ -483,7 +488,7 @@ def claim_gme_speed(gme: Result | None) -> str:
     txt += (
         ": "
         + ", ".join(f"{n} {f(t[n], '.0f')} s" for n in sorted(natural, key=lambda n: tt[n]))
-        + f" to the best NLL (fastest: {fastest_nat})"
+        + f" to that NLL (fastest: {fastest_nat})"
     )
     if same:
         txt += "; default H-MC-SSVI and MC-SSVI have identical traces (the default mean step is the natural one in full batch)"
@@ -1470,7 +1475,7 @@ def readme_block(results: dict) -> str:
         if finite(tb.get("S-DSVI")):
             gme.note(G["S-DSVI"])
             ref.append(
-                f"S-DSVI {times(tb['S-DSVI'], tb['H-MC-SSVI'], '.1f')} slower to the best NLL"
+                f"S-DSVI {times(tb['S-DSVI'], tb['H-MC-SSVI'], '.1f')} slower to the optimum's NLL"
             )
         d = gme.meta.get("data", {})
         rows.append(

@@ -40,7 +40,7 @@ from pytensor.graph.basic import Constant
 from pytensor.graph.replace import graph_replace
 from pytensor.graph.traversal import graph_inputs, io_toposort
 
-from pymc_mcssvi.families.gaussian import sample
+from pymc_mcssvi.families.gaussian import covariance, sample
 from pymc_mcssvi.recognize.graph import (
     depends_on_any,
     evaluate_static,
@@ -132,10 +132,12 @@ class GeneralEstimator:
             for i, g in enumerate(tlm.gaussians)
             if any(depends_on_any(t.logp, [g.value]) for t in tlm.general_terms)
         }
-        self._color_of = hessian_colors(tlm.gaussians, tlm.general_rows, read)
-        n_colors = int(self._color_of[:, 0].max()) + 1
+        self._diagonal = tuple(getattr(tlm, "general_diagonal", ()))
+        self._color_of = hessian_colors(tlm.gaussians, tlm.general_rows, read, self._diagonal)
+        n_colors = max(int(self._color_of[:, 0].max()) + 1, 1)
+        colored = np.flatnonzero(self._color_of[:, 0] >= 0)
         colors = pt.set_subtensor(
-            pt.zeros((n_colors, self.dim))[self._color_of[:, 0], np.arange(self.dim)], 1.0
+            pt.zeros((n_colors, self.dim))[self._color_of[colored, 0], colored], 1.0
         )
         c = pt.vector("color", shape=(self.dim,))
         hvp = pt.grad(pt.sum(grad * c), w)
@@ -178,12 +180,16 @@ class GeneralEstimator:
             return pt.constant(0.0), [None] * len(states), [None] * len(states)
         n = self.n_draws if draws is None else draws.index.shape[0]
         W = pt.zeros((n, self.dim))
-        for seg, st, idx in zip(self.tlm.segments, states, self.maps, strict=True):
+        stein = {}  # segment -> (draws' deviations from the mean, variances)
+        for s, (seg, st, idx) in enumerate(zip(self.tlm.segments, states, self.maps, strict=True)):
             eps = self._eps(seg)
             if draws is not None:
                 eps = eps[draws.index]
             sampled = sample(st, parameterization, eps)
             W = pt.set_subtensor(W[:, idx.reshape(-1)], sampled.reshape((n, seg.dim)))
+            if self._is_stein(seg):
+                var = covariance(st, parameterization)[:, 0, 0]
+                stein[s] = ((sampled - st.mean[None]).reshape((n, seg.dim)), var)
         average = _average if draws is None else _weighted_average(draws.weight, self.n_draws)
         if need_hessian and self.per_observation is not None:
             return self.per_observation.expectations(W, self.maps, average)
@@ -199,10 +205,20 @@ class GeneralEstimator:
         else:
             HV = average(vals[2])
         hess = []
-        for idx in self.maps:
+        for s, idx in enumerate(self.maps):
+            if s in stein:
+                # Stein's identity: E[g(w) (w - m)] = H S for the diagonal S, entry by entry
+                dev, var = stein[s]
+                diag = average(vals[1][:, idx.reshape(-1)] * dev) / var
+                hess.append(diag[:, None, None])
+                continue
             blocks = _blocks(HV, idx, self._color_of)
             hess.append(0.5 * (blocks + blocks.dimshuffle(0, 2, 1)))
         return T, grads, hess
+
+    def _is_stein(self, seg) -> bool:
+        """Whether the segment's Hessian diagonal comes from the gradients."""
+        return seg.kind == "diag" and seg.members[0] in self._diagonal
 
     def _products_by_color(self, W, average, mode=None):
         """The Hessian-vector products of every color, averaged over the draws ``W``,

@@ -329,6 +329,9 @@ class TwoLevelModel:
     #: the general terms never couple: their Hessian comes from colored
     #: Hessian-vector products (:func:`~pymc_mcssvi.recognize.separable.separable_rows`).
     general_rows: tuple[int, ...] = ()
+    #: Ids of the Gaussian globals with a diagonal q whose Hessian diagonal the general
+    #: terms' estimator takes from the gradients (Stein's identity), without products.
+    general_diagonal: tuple[int, ...] = ()
     #: Recognition's note when q keeps crossed (or nested) factors' effect vectors in
     #: independent segments (empty when one full covariance holds them).
     split_crossed_note: str = ""

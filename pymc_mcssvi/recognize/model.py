@@ -27,6 +27,7 @@ from pytensor.tensor.subtensor import AdvancedSubtensor
 
 from pymc_mcssvi.exceptions import UnsupportedModelError
 from pymc_mcssvi.recognize.affine import linearize
+from pymc_mcssvi.recognize.count_data import check_count_data
 from pymc_mcssvi.recognize.graph import (
     as_float,
     depends_on_any,
@@ -70,6 +71,7 @@ from pymc_mcssvi.recognize.zerosum import zerosum_as_linear
 
 __all__ = [
     "MAX_GENERAL_DIM",
+    "MIN_STEIN_DIAGONAL",
     "check_data",
     "evaluation_failure",
     "general_reads",
@@ -79,6 +81,11 @@ __all__ = [
 
 #: Largest Gaussian dimension the Monte Carlo + autodiff path accepts (it forms D x D Hessians).
 MAX_GENERAL_DIM = 2000
+#: A global with a diagonal q and at least this many entries whose rows the general terms
+#: couple (a topic model's topic-word logits) takes its Hessian diagonal from the
+#: gradients (Stein's identity, :class:`~pymc_mcssvi.estimators.general.GeneralEstimator`)
+#: instead of one Hessian-vector product per entry.
+MIN_STEIN_DIAGONAL = 256
 
 
 def recognize(
@@ -293,8 +300,22 @@ def _recognize(model, cov, bound, inner, n_inner) -> TwoLevelModel:
         split_crossed_note=crossed_note,
     )
     if general_terms:
-        _check_general_dim(tlm, roles.initial_point)
+
+        def rebuild(structure):
+            return build_segments(gaussians, structure, joint, by_column=by_column)
+
+        fixed = _user_structured(cov, gaussians)
+        _check_general_dim(tlm, roles.initial_point, structure, fixed, rebuild)
     return tlm
+
+
+def _user_structured(cov, gaussians) -> set[int]:
+    """Ids of the globals whose q structure the user chose (``cov``)."""
+    if isinstance(cov, dict):
+        return {i for i, g in enumerate(gaussians) if cov.get(g.name, "auto") != "auto"}
+    if cov not in (None, "auto"):
+        return set(range(len(gaussians)))
+    return set()
 
 
 # ------------------------------------------------------------------------ checks
@@ -361,12 +382,53 @@ def _warn_diagonal_dense_prior(gaussians, structure, notes):
     warnings.warn(msg, UserWarning, stacklevel=3)
 
 
-def _check_general_dim(tlm, point):
+def _check_general_dim(tlm, point, structure=None, fixed=(), rebuild=None):
     """Record the Gaussian globals whose rows the general terms never couple, and refuse
-    Hessians of more than :data:`MAX_GENERAL_DIM` directions."""
-    tlm.general_rows = separable_rows(tlm.gaussians, tlm.general_terms, tlm.model, point)
+    Hessians of more than :data:`MAX_GENERAL_DIM` directions.
+
+    Above the limit, the largest globals whose rows the terms couple and whose structure
+    the user left to the automatic choice get a diagonal q, whose Hessian diagonal comes
+    from the gradients (:func:`stein_diagonal`), until the limit is met: a topic model's
+    topic-word logits (``K x V``), which a block per topic would give ``K V`` products.
+    ``rebuild`` makes the segments of a structure.
+    """
+    gaussians = tlm.gaussians
+    tlm.general_rows = separable_rows(gaussians, tlm.general_terms, tlm.model, point)
     read = general_reads(tlm)
-    size = int(hessian_colors(tlm.gaussians, tlm.general_rows, read)[:, 0].max()) + 1
+
+    def n_directions():
+        tlm.general_diagonal = stein_diagonal(tlm, read)
+        colors = hessian_colors(gaussians, tlm.general_rows, read, tlm.general_diagonal)
+        return int(colors[:, 0].max()) + 1
+
+    size = n_directions()
+    if size > MAX_GENERAL_DIM and rebuild is not None:
+        candidates = sorted(
+            (
+                i
+                for i in read
+                if i not in tlm.general_rows
+                and i not in fixed
+                and structure[i] != "diag"
+                and gaussians[i].size >= MIN_STEIN_DIAGONAL
+            ),
+            key=lambda i: -gaussians[i].size,
+        )
+        changed = []
+        for i in candidates:
+            structure[i] = "diag"
+            changed.append(gaussians[i].name)
+            tlm.segments = rebuild(structure)
+            size = n_directions()
+            if size <= MAX_GENERAL_DIM:
+                break
+        if changed:
+            tlm.notes.append(
+                f"q is diagonal for {', '.join(repr(n) for n in changed)}: the terms couple "
+                "its entries, and one full or per-row covariance would take a Hessian-vector "
+                "product per entry; the diagonal of its Hessian comes from the gradients "
+                "(Stein's identity). Pass cov={name: 'block'} to keep the blocks."
+            )
     if size > MAX_GENERAL_DIM:
         names = ", ".join(t.name for t in tlm.general_terms)
         raise UnsupportedModelError(
@@ -377,6 +439,19 @@ def _check_general_dim(tlm, point):
             "write the likelihood through an affine predictor (e.g. X @ w) or reduce the "
             "number of Gaussian globals",
         )
+
+
+def stein_diagonal(tlm, read) -> tuple[int, ...]:
+    """Ids of the globals whose Hessian diagonal the general terms' estimator takes from
+    the gradients: a diagonal q, read by the general terms, rows coupled, and at least
+    :data:`MIN_STEIN_DIAGONAL` entries (below that one product per entry is cheap and
+    exact per draw)."""
+    diag = {i for seg in tlm.segments if seg.kind == "diag" for i in seg.members}
+    return tuple(
+        i
+        for i in sorted(diag & set(read))
+        if i not in tlm.general_rows and tlm.gaussians[i].size >= MIN_STEIN_DIAGONAL
+    )
 
 
 def general_reads(tlm) -> set[int]:
@@ -502,6 +577,7 @@ def _check_observed_data(model, obs):
                 "remove or impute those entries before building the model",
             )
     _check_constant_index_casts(model, obs)
+    check_count_data(model, obs)
 
 
 def _check_constant_index_casts(model, obs):

@@ -150,14 +150,16 @@ def read_flat(total, w, gaussians, fixed=None):
     return graph_replace(total, {**repl, **(fixed or {})}, strict=False)
 
 
-def hessian_colors(gaussians, rows, read=None) -> np.ndarray:
+def hessian_colors(gaussians, rows, read=None, diagonal=()) -> np.ndarray:
     """Per flat coordinate ``(color, row)``: the Hessian-vector product (color) whose
     direction holds that coordinate, and its row in a row-separable global (``-1``
     for the others, which have a color of their own). ``rows`` are the ids of the
     row-separable globals (:func:`separable_rows`); the number of colors is the
     number of products the Hessian takes. ``read`` (ids of the globals the terms
     read; default all) leaves the others one color for all of them: their products
-    are zero.
+    are zero. ``diagonal`` (ids of globals whose q is diagonal and whose Hessian
+    diagonal comes from the gradients alone, Stein's identity) get color ``-1``:
+    no product.
 
     Examples
     --------
@@ -167,6 +169,8 @@ def hessian_colors(gaussians, rows, read=None) -> np.ndarray:
     [0, 1, 0, 1, 2, 3, 4]
     >>> hessian_colors(gs, rows=(0,), read={0})[:, 0].tolist()
     [0, 1, 0, 1, 2, 2, 2]
+    >>> hessian_colors(gs, rows=(0,), diagonal=(1,))[:, 0].tolist()
+    [0, 1, 0, 1, -1, -1, -1]
     """
     offsets = flat_offsets(gaussians)
     color_of = np.zeros((int(offsets[-1]), 2), dtype="int64")
@@ -176,6 +180,9 @@ def hessian_colors(gaussians, rows, read=None) -> np.ndarray:
         pos = offsets[i] + np.arange(g.size)
         if read is not None and i not in read:
             unread.append(pos)
+            continue
+        if i in diagonal:
+            color_of[pos] = -1
             continue
         if i in rows:
             R = g.shape[0]

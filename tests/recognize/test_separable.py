@@ -38,13 +38,20 @@ def test_a_coupling_of_any_two_rows_is_found(coupling):
 
 
 def test_hessian_directions_above_the_limit_name_the_term():
-    """Without separable rows the dense Hessian's directions are refused above the limit;
-    with them, a model of the same size is accepted (one direction per column)."""
+    """Without separable rows the dense Hessian's directions are refused above the limit
+    when the user chose the structure; the automatic layout gives the coupled global a
+    diagonal q (its Hessian diagonal from the gradients) and says so. With separable
+    rows, a model of the same size is accepted as is (one direction per column)."""
     D = MAX_GENERAL_DIM // 3 + 10
     tlm = recognize(_topics(D=D))
     assert tlm.general_rows == (1,) and tlm.dim > MAX_GENERAL_DIM
+    assert tlm.general_diagonal == ()
+    walk = _topics(lambda eta: 0.1 * pt.sum(eta[1:] * eta[:-1]), D=D)
     with pytest.raises(UnsupportedModelError, match="'lik'.*couples their rows"):
-        recognize(_topics(lambda eta: 0.1 * pt.sum(eta[1:] * eta[:-1]), D=D))
+        recognize(walk, cov={"eta": "block"})
+    tlm = recognize(walk)
+    assert tlm.general_diagonal == (1,)
+    assert any("q is diagonal for 'eta'" in n for n in tlm.notes)
 
 
 def test_group_effects_of_a_non_affine_likelihood_are_separable():

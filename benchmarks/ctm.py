@@ -1,0 +1,567 @@
+"""Correlated topic model (CTM) on the Reuters corpus: held-out per-word NLL (issue 48).
+
+Data: ``lda.datasets.load_reuters()`` (395 documents x 4,258 words, counts). The
+documents are split 80/20 with ``numpy.random.default_rng(0).permutation``; the
+vocabulary is the words seen in the training documents (test tokens of other words
+are dropped). Each test document's tokens are shuffled (``default_rng(1)``); the
+first half (``n // 2`` tokens) is *observed*, the rest is *scored*.
+
+Model (K = 10), as a PyMC user writes it, with collapsed counts::
+
+    mu ~ Normal(0, 1), shape K-1
+    eta ~ Normal(mu, 1), shape (D, K-1)
+    logit_beta ~ Normal(0, 1), shape (K, V)
+    theta = softmax([eta, 0])
+    w ~ Multinomial(n = C.sum(1), p = theta @ softmax(logit_beta))
+
+Methods, each in a worker process of its own (its own peak memory, VmHWM), each
+stopped by a wall-clock cap (``--max-seconds``, default 300 s; the clock includes
+compilation):
+
+* ``hmcssvi``: ``pm.fit(method="hmcssvi")`` (the plugin's defaults) with an
+  iteration cap ``--hmcssvi-n``.
+* ``advi``: ``pm.fit(method="advi")`` on the same model, ``--advi-n`` iterations.
+* ``tomotopy``: ``tomotopy.CTModel(k=10, seed=0)`` (Gibbs sampling), trained in
+  chunks of ``--tomotopy-chunk`` iterations, one worker thread.
+
+Held-out score (the same code for every method, :func:`score`): given topics ``beta``
+(K x V) and a Gaussian prior ``N(m, S)`` over the document's logits, each test
+document's E[theta | observed half] is estimated by two-round importance sampling,
+vectorized over draws (one Python loop per document, none per token): 4,000 draws
+from the prior, a Gaussian fitted to the weighted draws (covariance doubled), then
+4,000 draws from that Gaussian weighted by prior x likelihood / proposal. The draws use
+the same seeds for every method. NLL = -sum_d sum_v n_dv log (theta_d @ beta)_v /
+(scored tokens).
+
+* VI methods: ``beta = softmax(posterior mean of logit_beta)``, prior
+  ``N(posterior mean of mu, I)`` on the K-1 free logits (the last logit is 0).
+  The final fit is also scored with ``beta`` averaged over 200 posterior draws of
+  ``softmax(logit_beta)`` and ``mu`` averaged over the same draws (``nll_draws``).
+* tomotopy: its topic-word distributions (``get_topic_word_dist``) and its fitted
+  logistic-normal prior (``prior_mean``, ``prior_cov``, K logits). Also reported:
+  ``nll_own_infer``, tomotopy's own ``infer`` on the observed halves (its topic
+  proportions, same NLL formula).
+
+Snapshots of the means (of ``beta`` and the prior for tomotopy) are taken along each
+run (their time is excluded from the clock) and scored after the fit, which gives the
+held-out NLL curve and the time to reach within 0.01 nats of each method's final NLL.
+
+Run ``python benchmarks/ctm.py`` (about 20 minutes on 2 cores; ``--methods advi``
+runs one method into ``benchmarks/.cache/`` and ``--report`` merges the cached
+methods). Writes ``benchmarks/results/ctm.json`` and ``benchmarks/results/ctm.md``
+(also printed). ``--quick`` is a smoke test (short caps, ``_quick`` file names).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+from scipy.special import logsumexp, softmax
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+RESULTS = common.REPO_ROOT / "benchmarks" / "results"
+CACHE = common.REPO_ROOT / "benchmarks" / ".cache"
+METHODS = ("hmcssvi", "advi", "tomotopy")
+K = 10
+TARGET_NLL = 7.60
+OUTSIDE = {"PyMC ADVI": 7.633, "tomotopy": 7.799}
+IS_DRAWS = 4000
+SCORE_SEED = 123
+TOL = 0.01
+
+
+# --------------------------------------------------------------------------- data
+def load_data(seed=0):
+    """Train counts, test observed / scored halves, all over the training vocabulary."""
+    import lda.datasets
+
+    X = np.asarray(lda.datasets.load_reuters(), dtype="int64")
+    n_docs = X.shape[0]
+    perm = np.random.default_rng(seed).permutation(n_docs)
+    n_train = int(round(0.8 * n_docs))
+    tr, te = perm[:n_train], perm[n_train:]
+    vocab = np.flatnonzero(X[tr].sum(0) > 0)
+    C = X[tr][:, vocab]
+    Xt = X[te][:, vocab]
+    rng = np.random.default_rng(seed + 1)
+    obs = np.zeros_like(Xt)
+    scr = np.zeros_like(Xt)
+    for j in range(Xt.shape[0]):  # one loop per document (token lists built by np.repeat)
+        tokens = np.repeat(np.arange(Xt.shape[1]), Xt[j])
+        rng.shuffle(tokens)
+        h = len(tokens) // 2
+        obs[j] = np.bincount(tokens[:h], minlength=Xt.shape[1])
+        scr[j] = np.bincount(tokens[h:], minlength=Xt.shape[1])
+    info = dict(
+        docs=int(n_docs),
+        words_all=int(X.shape[1]),
+        tokens_all=int(X.sum()),
+        n_train=int(len(tr)),
+        n_test=int(len(te)),
+        vocab=int(len(vocab)),
+        train_tokens=int(C.sum()),
+        test_tokens_dropped_oov=int(X[te].sum() - Xt.sum()),
+        observed_tokens=int(obs.sum()),
+        scored_tokens=int(scr.sum()),
+        split_seed=seed,
+        shuffle_seed=seed + 1,
+    )
+    return dict(C=C, obs=obs, scr=scr, info=info)
+
+
+# ------------------------------------------------------------------------ scoring
+def infer_theta(beta, m, cov, pad, obs, draws=IS_DRAWS, seed=SCORE_SEED):
+    """E[theta_d | observed half] for every test document (two-round importance sampling).
+
+    ``beta`` (K, V) topics; prior ``N(m, cov)`` over ``d`` logits; ``pad``: append a
+    zero logit (d = K - 1). Returns ``theta`` (D, K) and the effective sample size of
+    the second round per document.
+    """
+    m = np.asarray(m, dtype="float64")
+    cov = np.asarray(cov, dtype="float64")
+    d = m.size
+    cov = 0.5 * (cov + cov.T) + 1e-9 * np.eye(d)
+    Lp = np.linalg.cholesky(cov)
+    Pinv = np.linalg.inv(cov)
+    rng = np.random.default_rng(seed)
+    z1 = rng.standard_normal((obs.shape[0], draws, d))
+    z2 = rng.standard_normal((obs.shape[0], draws, d))
+
+    def th(e):
+        if pad:
+            e = np.concatenate([e, np.zeros((e.shape[0], 1))], axis=1)
+        return softmax(e, axis=1)
+
+    def logprior(e):
+        r = e - m
+        return -0.5 * np.einsum("si,ij,sj->s", r, Pinv, r)
+
+    theta = np.empty((obs.shape[0], beta.shape[0]))
+    ess = np.empty(obs.shape[0])
+    for j in range(obs.shape[0]):
+        idx = np.flatnonzero(obs[j])
+        n = obs[j, idx].astype("float64")
+        B = beta[:, idx]
+        e1 = m + z1[j] @ Lp.T
+        t1 = th(e1)
+        if idx.size == 0:
+            theta[j], ess[j] = t1.mean(0), draws
+            continue
+        ll1 = np.log(t1 @ B) @ n
+        w1 = softmax(ll1)
+        mu1 = w1 @ e1
+        r = e1 - mu1
+        c1 = 2.0 * (r.T * w1) @ r + 1e-6 * np.eye(d)
+        L1 = np.linalg.cholesky(c1)
+        e2 = mu1 + z2[j] @ L1.T
+        t2 = th(e2)
+        half_logdet = np.sum(np.log(np.diag(L1)))
+        logq = -0.5 * np.sum(z2[j] ** 2, axis=1) - half_logdet
+        logp = logprior(e2) - np.sum(np.log(np.diag(Lp)))
+        lw = np.log(t2 @ B) @ n + logp - logq
+        w2 = np.exp(lw - logsumexp(lw))
+        theta[j] = w2 @ t2
+        ess[j] = 1.0 / np.sum(w2**2)
+    return theta, ess
+
+
+def nll_of(theta, beta, scr):
+    """Per-word NLL of the scored halves given per-document topic proportions."""
+    p = theta @ beta
+    return float(-np.sum(scr * np.log(p)) / scr.sum())
+
+
+def score(beta, m, cov, pad, data):
+    beta = np.asarray(beta, dtype="float64")
+    beta = beta / beta.sum(1, keepdims=True)
+    theta, ess = infer_theta(beta, m, cov, pad, data["obs"])
+    return {
+        "nll": nll_of(theta, beta, data["scr"]),
+        "ess_median": float(np.median(ess)),
+        "ess_min": float(np.min(ess)),
+    }
+
+
+def unigram_nll(data):
+    """Reference: training word frequencies (add-0.5 smoothing), no topics."""
+    f = data["C"].sum(0) + 0.5
+    return float(-np.sum(data["scr"] * np.log(f / f.sum())) / data["scr"].sum())
+
+
+# ------------------------------------------------------------------------ methods
+def quiet():
+    warnings.filterwarnings("ignore")
+    for name in ("pymc", "pytensor", "pymc_mcssvi"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def build_model(C):
+    import pymc as pm
+    import pytensor.tensor as pt
+
+    D, V = C.shape
+    with pm.Model() as m:
+        mu = pm.Normal("mu", 0, 1, shape=K - 1)
+        eta = pm.Normal("eta", mu, 1, shape=(D, K - 1))
+        logit_beta = pm.Normal("logit_beta", 0, 1, shape=(K, V))
+        theta = pm.math.softmax(pt.concatenate([eta, pt.zeros((D, 1))], axis=1), axis=-1)
+        pm.Multinomial("w", n=C.sum(1), p=theta @ pm.math.softmax(logit_beta, axis=-1), observed=C)
+    return m
+
+
+def read_means(approx):
+    """``{name: posterior mean}`` (unconstrained space) for the plugin or a PyMC approximation."""
+    ordering = getattr(approx, "ordering", None)
+    if ordering is None:
+        ordering = approx.groups[0].ordering
+    flat = np.asarray(approx.mean.eval())
+    return {name: flat[slc].reshape(shape).copy() for name, (_, slc, shape, _) in ordering.items()}
+
+
+class Clock:
+    """Fit callback: wall clock per iteration, snapshots of the means, a time cap."""
+
+    def __init__(self, every, max_seconds):
+        self.every, self.max_seconds = every, max_seconds
+        self.t0 = time.perf_counter()
+        self.excluded = 0.0
+        self.times, self.snaps = [], []
+
+    def now(self):
+        return time.perf_counter() - self.t0 - self.excluded
+
+    def __call__(self, approx, losses, i):
+        t = self.now()
+        self.times.append(t)
+        k = len(self.times)
+        if k == 1 or k % self.every == 0:
+            s0 = time.perf_counter()
+            mm = read_means(approx)
+            self.snaps.append((k, t, mm["logit_beta"], mm["mu"]))
+            self.excluded += time.perf_counter() - s0
+        if t > self.max_seconds:
+            raise StopIteration(f"time cap {self.max_seconds:.0f} s")
+
+
+def run_pymc(method, data, cfg):
+    import pymc as pm
+
+    import pymc_mcssvi  # noqa: F401  (registers method="hmcssvi")
+
+    model = build_model(data["C"])
+    n = cfg["hmcssvi_n"] if method == "hmcssvi" else cfg["advi_n"]
+    every = cfg["hmcssvi_every"] if method == "hmcssvi" else cfg["advi_every"]
+    clock = Clock(every, cfg["max_seconds"])
+    kw = dict(random_seed=0)
+    approx = pm.fit(n=n, method=method, model=model, progressbar=False, callbacks=[clock], **kw)
+    seconds = clock.now()
+    hist = np.asarray(approx.hist, dtype="float64")
+    iters = len(clock.times)
+    mm = read_means(approx)
+    if not clock.snaps or clock.snaps[-1][0] != iters:
+        clock.snaps.append((iters, seconds, mm["logit_beta"], mm["mu"]))
+    vm = common.vmhwm_mb()
+    curve = []
+    for k, t, lb, mu in clock.snaps:
+        s = score(softmax(lb, axis=1), mu, np.eye(K - 1), True, data)
+        curve.append(dict(iteration=k, seconds=t, **s))
+        common.log(f"  {method} it {k} t {t:.1f} s: NLL {s['nll']:.4f}")
+    final = curve[-1]
+    post = approx.sample(200, random_seed=1)
+    post = post["posterior"] if not hasattr(post, "posterior") else post.posterior
+    lb = np.asarray(post["logit_beta"].values).reshape(-1, K, data["C"].shape[1])
+    mu_d = np.asarray(post["mu"].values).reshape(-1, K - 1)
+    beta_d = softmax(lb, axis=2).mean(0)
+    sd = score(beta_d, mu_d.mean(0), np.eye(K - 1), True, data)
+    return dict(
+        iterations=iters,
+        iteration_cap=n,
+        seconds=seconds,
+        seconds_per_iteration=float(np.median(np.diff(clock.times))) if iters > 1 else None,
+        neg_elbo_last=float(np.mean(hist[-max(1, len(hist) // 20) :])) if len(hist) else None,
+        hist_every=max(1, len(hist) // 500),
+        hist=hist[:: max(1, len(hist) // 500)].tolist(),
+        nll=final["nll"],
+        ess_median=final["ess_median"],
+        nll_draws=sd["nll"],
+        curve=curve,
+        vmhwm_mb=vm,
+        stopped_by="time cap" if seconds > cfg["max_seconds"] else "iteration cap",
+    )
+
+
+def run_tomotopy(data, cfg):
+    import tomotopy as tp
+
+    C = data["C"]
+    V = C.shape[1]
+    words = [f"w{v}" for v in range(V)]
+    t0 = time.perf_counter()
+    mdl = tp.CTModel(k=K, seed=0)
+    for row in C:
+        toks = [words[v] for v in np.repeat(np.arange(V), row)]
+        if toks:
+            mdl.add_doc(toks)
+    excluded = 0.0
+    snaps = []
+    it = 0
+    chunk = cfg["tomotopy_chunk"]
+
+    def read():
+        pos = {w: i for i, w in enumerate(mdl.used_vocabs)}
+        order = np.array([pos[w] for w in words])
+        beta = np.array([mdl.get_topic_word_dist(k) for k in range(K)])[:, order]
+        return beta, np.array(mdl.prior_mean), np.array(mdl.prior_cov)
+
+    while it < cfg["tomotopy_max_iter"]:
+        mdl.train(chunk, workers=1)
+        it += chunk
+        t = time.perf_counter() - t0 - excluded
+        s0 = time.perf_counter()
+        snaps.append((it, t, *read()))
+        excluded += time.perf_counter() - s0
+        if t > cfg["max_seconds"]:
+            break
+    seconds = time.perf_counter() - t0 - excluded
+    vm = common.vmhwm_mb()
+    curve = []
+    for k, t, beta, m, S in snaps:
+        s = score(beta, m.ravel(), S.reshape(K, K), False, data)
+        curve.append(dict(iteration=k, seconds=t, **s))
+        common.log(f"  tomotopy it {k} t {t:.1f} s: NLL {s['nll']:.4f}")
+    out = dict(
+        iterations=it,
+        seconds=seconds,
+        ll_per_word_train=float(mdl.ll_per_word),
+        nll=curve[-1]["nll"],
+        ess_median=curve[-1]["ess_median"],
+        curve=curve,
+        vmhwm_mb=vm,
+        stopped_by="time cap" if seconds > cfg["max_seconds"] else "iteration cap",
+    )
+    try:  # tomotopy's own per-document inference on the observed halves
+        beta = snaps[-1][2]
+        beta = beta / beta.sum(1, keepdims=True)
+        docs, keep = [], []
+        for j, row in enumerate(data["obs"]):
+            toks = [words[v] for v in np.repeat(np.arange(V), row)]
+            if toks:
+                docs.append(mdl.make_doc(toks))
+                keep.append(j)
+        res = mdl.infer(docs, iterations=100, workers=1)
+        dists = res[0] if isinstance(res, tuple) else res
+        theta = np.full((data["obs"].shape[0], K), 1.0 / K)
+        for j, doc in zip(keep, dists, strict=True):
+            theta[j] = np.asarray(doc.get_topic_dist() if hasattr(doc, "get_topic_dist") else doc)
+        out["nll_own_infer"] = nll_of(theta, beta, data["scr"])
+    except Exception as e:  # noqa: BLE001
+        out["nll_own_infer_error"] = repr(e)
+    return out
+
+
+def worker(method, data, cfg):
+    quiet()
+    res = {"method": method, "run": common.run_record()}
+    if method == "tomotopy":
+        try:
+            import tomotopy
+
+            res["version"] = tomotopy.__version__
+        except ImportError as e:
+            res["error"] = f"tomotopy not installable/importable: {e}"
+            return res
+        res.update(run_tomotopy(data, cfg))
+    else:
+        res.update(run_pymc(method, data, cfg))
+    res["vmhwm_mb_end"] = common.vmhwm_mb()
+    return res
+
+
+# ------------------------------------------------------------------------ report
+def time_to_final(curve):
+    if not curve:
+        return None
+    t = [c["seconds"] for c in curve]
+    v = [c["nll"] for c in curve]
+    tt, _ = common.time_to_within(t, v, v[-1], atol=TOL)
+    return tt
+
+
+def report(results):
+    f = common.fmt
+    rows = []
+    for name in METHODS:
+        r = results["methods"].get(name)
+        if r is None:
+            continue
+        if "error" in r:
+            rows.append([name, r["error"], "", "", "", "", "", ""])
+            continue
+        rows.append(
+            [
+                name,
+                f(r["nll"], ".3f"),
+                f(r.get("nll_draws", r.get("nll_own_infer")), ".3f"),
+                f(r["seconds"], ".0f"),
+                r["iterations"],
+                f(time_to_final(r["curve"]), ".0f"),
+                f(r["vmhwm_mb"], ".0f"),
+                "yes" if r["nll"] <= TARGET_NLL else "no",
+            ]
+        )
+    d = results["data"]
+    run = results["run"]
+    lines = [
+        "## Correlated topic model (Reuters, K = 10)",
+        "",
+        f"Measured {run['date']} on {run['machine'].get('cpu_model', '?')} "
+        f"({run['machine'].get('cpu_count')} logical CPUs), commit {run['commit']}"
+        f"{' (plugin sources modified)' if run.get('plugin_dirty') else ''}. "
+        f"Reproduce: `{results['command']}`.",
+        "",
+        f"Data: `lda.datasets.load_reuters()`, {d['n_train']} training / {d['n_test']} test "
+        f"documents (`default_rng(0)` permutation), vocabulary {d['vocab']} words seen in "
+        f"training ({d['train_tokens']} training tokens). Each test document's tokens are "
+        f"shuffled; the first half ({d['observed_tokens']} tokens in all) is observed, the "
+        f"second half ({d['scored_tokens']} tokens) is scored.",
+        "",
+        "Held-out score: per-word NLL of the scored halves, "
+        "`-sum n_dv log (theta_d @ beta)_v / tokens`, with `theta_d` = E[theta | observed half] "
+        "by two-round importance sampling (4,000 + 4,000 draws, same seeds for every method). "
+        "VI methods: `beta = softmax(posterior mean of logit_beta)` and prior "
+        "`N(mean of mu, I)`; column *alt* uses `beta` averaged over 200 posterior draws of "
+        "`softmax(logit_beta)`. tomotopy: its topic-word distributions and fitted prior "
+        "(mean, covariance); *alt* uses tomotopy's own `infer` on the observed halves. "
+        f"Time cap {results['config']['max_seconds']:.0f} s per method (the clock includes "
+        "compilation; snapshot scoring is excluded). *to final*: time after which the "
+        f"snapshot NLL stays within {TOL} of the method's final NLL.",
+        "",
+        common.markdown_table(
+            [
+                "method",
+                "held-out NLL",
+                "alt NLL",
+                "seconds",
+                "iterations",
+                "to final (s)",
+                "peak RSS (MB)",
+                f"<= {TARGET_NLL}",
+            ],
+            rows,
+        ),
+        "",
+        f"Target: held-out per-word NLL {TARGET_NLL} or less. Outside runs measured "
+        f"PyMC ADVI {OUTSIDE['PyMC ADVI']} and tomotopy {OUTSIDE['tomotopy']} "
+        "(their protocol details may differ from this one). "
+        f"Reference without topics (training unigram, add-0.5): {results['unigram_nll']:.3f}.",
+    ]
+    prov = []
+    for name in METHODS:
+        r = results["methods"].get(name)
+        if r and r.get("run"):
+            rr = r["run"]
+            load = rr.get("loadavg") or [None]
+            prov.append(
+                f"{name}: {rr.get('date')}, commit {rr.get('commit')}"
+                f"{' (plugin sources modified)' if rr.get('plugin_dirty') else ''}, "
+                f"load {load[0]} at start"
+            )
+    if prov:
+        lines += ["", "Runs (each method in a worker process of its own): " + "; ".join(prov) + "."]
+    for name in METHODS:
+        r = results["methods"].get(name)
+        if r and "curve" in r:
+            pts = ", ".join(f"{c['seconds']:.0f} s: {c['nll']:.3f}" for c in r["curve"])
+            lines += ["", f"*{name}* NLL along the run ({r['stopped_by']}): {pts}."]
+    if results.get("notes"):
+        lines += ["", results["notes"]]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--report", action="store_true", help="only merge the cached methods")
+    p.add_argument("--max-seconds", type=float, default=None)
+    p.add_argument("--hmcssvi-n", type=int, default=None)
+    p.add_argument("--advi-n", type=int, default=None)
+    p.add_argument("--notes", default="")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--task", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--cfg", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    common.set_run_mode("quick" if args.quick else "full")
+    if args.worker:
+        cfg = json.loads(args.cfg)
+        data = load_data(cfg["seed"])
+        common.save_json(worker(args.task, data, cfg), args.out)
+        return
+    cfg = dict(
+        seed=args.seed,
+        max_seconds=args.max_seconds or (30.0 if args.quick else 300.0),
+        hmcssvi_n=args.hmcssvi_n or (3 if args.quick else 1000),
+        hmcssvi_every=1 if args.quick else 4,
+        advi_n=args.advi_n or (300 if args.quick else 20000),
+        advi_every=100 if args.quick else 250,
+        tomotopy_chunk=10 if args.quick else 100,
+        tomotopy_max_iter=20 if args.quick else 3000,
+    )
+    suffix = "_quick" if args.quick else ""
+    CACHE.mkdir(parents=True, exist_ok=True)
+    todo = [] if args.report else [m for m in args.methods.split(",") if m]
+    for method in todo:
+        common.log(f"worker {method}")
+        res = common.run_worker(
+            __file__,
+            ["--task", method, "--cfg", json.dumps(cfg)],
+            {"method": method, "run": common.run_record()},
+            timeout=cfg["max_seconds"] + 420,
+        )
+        common.log(f"  -> NLL {res.get('nll')} error {res.get('error')}")
+        common.save_json(res, CACHE / f"ctm{suffix}_{method}.json")
+    data = load_data(cfg["seed"])
+    methods = {}
+    for method in METHODS:
+        path = CACHE / f"ctm{suffix}_{method}.json"
+        if path.exists():
+            methods[method] = json.loads(path.read_text())
+    results = {
+        "run": common.run_record(),
+        "command": "python benchmarks/ctm.py" + (" --quick" if args.quick else ""),
+        "config": cfg,
+        "k": K,
+        "data": data["info"],
+        "scoring": dict(is_draws=IS_DRAWS, seed=SCORE_SEED, rounds=2, tol_to_final=TOL),
+        "unigram_nll": unigram_nll(data),
+        "target_nll": TARGET_NLL,
+        "outside": OUTSIDE,
+        "versions": common.library_versions(
+            ("pymc", "pytensor", "numpy", "pymc_mcssvi", "tomotopy")
+        ),
+        "methods": methods,
+        "notes": args.notes,
+    }
+    for r in methods.values():
+        if "curve" in r:
+            r["time_to_final"] = time_to_final(r["curve"])
+    md = report(results)
+    common.save_json(results, RESULTS / f"ctm{suffix}.json")
+    out_md = (RESULTS if not args.quick else CACHE) / f"ctm{suffix}.md"
+    out_md.write_text(md)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()

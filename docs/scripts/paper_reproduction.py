@@ -907,7 +907,9 @@ def claim_ctm() -> str:
         "**not tested**: the paper's CTM experiment is not reproduced. CTMs written in PyMC "
         "(`softmax(eta) @ beta` with a `pm.Multinomial` or per-token `pm.Categorical` likelihood) "
         "are fitted by the Monte Carlo + autodiff path with one Hessian-vector product per topic and "
-        "agree with NUTS on a small model (`tests/pymc/test_against_nuts.py::test_correlated_topic_model`); "
+        "agree with NUTS on a small model (`tests/pymc/test_against_nuts.py::test_correlated_topic_model`). "
+        "Learned topics (softmax of Normal logits, a diagonal q over them) fit the Reuters corpus "
+        "(`benchmarks/ctm.py`, held-out document completion in docs/benchmarks.md); "
         "the comparison with mean field and the simple structured approximation is not run"
     )
 

@@ -78,8 +78,10 @@ def initial_q(
     """The start q of a recognized model (see the module docstring).
 
     ``start`` values are checked (:func:`check_start`); a matrix factorization's
-    factors are moved off ``U = V = 0`` (a saddle point) by ``0.3 N(0, 1)`` noise
-    seeded by ``random_seed``.
+    factors are moved off ``U = V = 0`` (a saddle point), and the globals whose Hessian
+    diagonal comes from the gradients (a topic model's topic-word logits, equal topics
+    at their prior mean) off their initial point, by ``0.3 N(0, 1)`` noise seeded by
+    ``random_seed``.
     """
     ipfn = make_initial_point_fn(
         model=model, overrides=start, jitter_rvs={}, return_transformed=True
@@ -92,13 +94,15 @@ def initial_q(
         [np.asarray(point[g.value.name], dtype="float64").reshape(-1) for g in tlm.gaussians]
     )
     sigma, hyper_sd = start_sigmas(start_sigma, tlm, dim, offsets)
-    if tlm.bilinear_terms and start is None:
-        # U = V = 0 is a saddle point of a matrix factorization: break the symmetry.
+    # U = V = 0 is a saddle point of a matrix factorization, and equal topics (topic-word
+    # logits at their prior mean 0) one of a topic model: break the symmetry.
+    broken = [gid for term in tlm.bilinear_terms for gid in (term.left, term.right)]
+    broken += list(tlm.general_diagonal)
+    if broken and start is None:
         rng = np.random.default_rng(0 if random_seed is None else random_seed)
-        for term in tlm.bilinear_terms:
-            for gid in (term.left, term.right):
-                o, n = offsets[gid], tlm.gaussians[gid].size
-                flat[o : o + n] = flat[o : o + n] + 0.3 * rng.standard_normal(n)
+        for gid in broken:
+            o, n = offsets[gid], tlm.gaussians[gid].size
+            flat[o : o + n] = flat[o : o + n] + 0.3 * rng.standard_normal(n)
     means, factors = [], []
     for seg, idx in zip(tlm.segments, maps, strict=True):
         means.append(flat[idx])

@@ -66,3 +66,31 @@ def test_topic_logits_beyond_the_product_limit_get_a_diagonal_q():
     # a structure the user chose is kept: then the limit applies
     with pytest.raises(pymc_mcssvi.exceptions.UnsupportedModelError, match="limited to"):
         recognize(m, cov={"logit_beta": "block"})
+
+
+def test_equal_topics_are_left_at_the_start():
+    """Topic-word logits at their prior mean make every topic equal (a saddle): the
+    start moves them off it, seeded, as a matrix factorization's factors."""
+    from pymc_mcssvi.pymc.start import initial_q
+
+    D, K, V = 10, 3, MIN_STEIN_DIAGONAL
+    counts = np.random.default_rng(0).multinomial(20, np.ones(V) / V, size=D)
+    with pm.Model() as m:
+        eta = pm.Normal("eta", 0, 1, shape=(D, K - 1))
+        lg = pm.Normal("logit_beta", 0, 1, shape=(K, V))
+        theta = pm.math.softmax(pm.math.concatenate([eta, np.zeros((D, 1))], axis=1), axis=-1)
+        pm.Multinomial(
+            "w", n=counts.sum(1), p=theta @ pm.math.softmax(lg, axis=-1), observed=counts
+        )
+    tlm = recognize(m, cov={"logit_beta": "diag"})
+    (gid,) = tlm.general_diagonal
+
+    def start(seed):
+        q = initial_q(m, tlm, "precision", None, 1.0, None, seed)
+        seg = next(s for s, seg in enumerate(tlm.segments) if gid in seg.members)
+        return q.means[seg].reshape(K, V)
+
+    lb = start(1)
+    assert 0.2 < lb.std() < 0.4 and np.abs(lb[0] - lb[1]).max() > 0.1
+    np.testing.assert_array_equal(lb, start(1))
+    assert not np.allclose(lb, start(2))

@@ -132,7 +132,7 @@ class GeneralEstimator:
             for i, g in enumerate(tlm.gaussians)
             if any(depends_on_any(t.logp, [g.value]) for t in tlm.general_terms)
         }
-        self._diagonal = tuple(getattr(tlm, "general_diagonal", ()))
+        self._diagonal = tlm.general_diagonal
         self._color_of = hessian_colors(tlm.gaussians, tlm.general_rows, read, self._diagonal)
         n_colors = max(int(self._color_of[:, 0].max()) + 1, 1)
         colored = np.flatnonzero(self._color_of[:, 0] >= 0)

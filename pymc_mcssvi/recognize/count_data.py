@@ -56,22 +56,20 @@ def check_count_data(model, obs) -> None:
     if isinstance(op, CategoricalRV):
         bad = ~whole | (y < 0) | (y >= int(k))
         if bad.any():
-            first = np.argwhere(bad)[0]
             raise UnsupportedModelError(
                 obs.name,
-                f"its observed value {y[tuple(first)]:g} at {tuple(int(i) for i in first)} is "
-                f"not a category index in 0..{int(k) - 1} ({int(bad.sum())} such entries)",
+                f"its observed value {_first(y, bad)} is not a category index in "
+                f"0..{int(k) - 1} ({int(bad.sum())} such entries)",
                 "map the data to indices 0..categories-1 (a word index beyond the vocabulary: "
                 "build the vocabulary from all documents, or drop unseen words)",
             )
         return
     bad = ~whole | (y < 0)
     if bad.any():
-        first = np.argwhere(bad)[0]
         raise UnsupportedModelError(
             obs.name,
-            f"its counts must be non-negative whole numbers; {y[tuple(first)]:g} at "
-            f"{tuple(int(i) for i in first)} is not ({int(bad.sum())} such entries)",
+            f"its counts must be non-negative whole numbers; {_first(y, bad)} is not "
+            f"({int(bad.sum())} such entries)",
             "check the document-term (count) matrix",
         )
     totals = y.sum(axis=-1)
@@ -95,6 +93,12 @@ def check_count_data(model, obs) -> None:
             "pass n=counts.sum(-1) (PyMC casts fractional counts to whole numbers, so the "
             "rows' sums can change)",
         )
+
+
+def _first(y, bad) -> str:
+    """The first flagged entry of ``y`` and its position, e.g. ``-1 at (2, 3)``."""
+    first = np.argwhere(bad)[0]
+    return f"{y[tuple(first)]:g} at {tuple(int(i) for i in first)}"
 
 
 def _rows(idx, most=5) -> str:

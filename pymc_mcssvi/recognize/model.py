@@ -397,21 +397,13 @@ def _check_general_dim(tlm, point, structure=None, fixed=(), rebuild=None):
     read = general_reads(tlm)
 
     def n_directions():
-        tlm.general_diagonal = stein_diagonal(tlm, read)
-        colors = hessian_colors(gaussians, tlm.general_rows, read, tlm.general_diagonal)
+        colors = hessian_colors(gaussians, tlm.general_rows, read, stein_diagonal(tlm, read))
         return int(colors[:, 0].max()) + 1
 
     size = n_directions()
     if size > MAX_GENERAL_DIM and rebuild is not None:
         candidates = sorted(
-            (
-                i
-                for i in read
-                if i not in tlm.general_rows
-                and i not in fixed
-                and structure[i] != "diag"
-                and gaussians[i].size >= MIN_STEIN_DIAGONAL
-            ),
+            (i for i in read if _steinable(tlm, i) and i not in fixed and structure[i] != "diag"),
             key=lambda i: -gaussians[i].size,
         )
         changed = []
@@ -429,6 +421,7 @@ def _check_general_dim(tlm, point, structure=None, fixed=(), rebuild=None):
                 "product per entry; the diagonal of its Hessian comes from the gradients "
                 "(Stein's identity). Pass cov={name: 'block'} to keep the blocks."
             )
+    tlm.general_diagonal = stein_diagonal(tlm, read)
     if size > MAX_GENERAL_DIM:
         names = ", ".join(t.name for t in tlm.general_terms)
         raise UnsupportedModelError(
@@ -447,11 +440,14 @@ def stein_diagonal(tlm, read) -> tuple[int, ...]:
     :data:`MIN_STEIN_DIAGONAL` entries (below that one product per entry is cheap and
     exact per draw)."""
     diag = {i for seg in tlm.segments if seg.kind == "diag" for i in seg.members}
-    return tuple(
-        i
-        for i in sorted(diag & set(read))
-        if i not in tlm.general_rows and tlm.gaussians[i].size >= MIN_STEIN_DIAGONAL
-    )
+    return tuple(i for i in sorted(diag & set(read)) if _steinable(tlm, i))
+
+
+def _steinable(tlm, i) -> bool:
+    """Whether global ``i`` would take its Hessian diagonal from the gradients under a
+    diagonal q: rows coupled by the general terms, at least :data:`MIN_STEIN_DIAGONAL`
+    entries."""
+    return i not in tlm.general_rows and tlm.gaussians[i].size >= MIN_STEIN_DIAGONAL
 
 
 def general_reads(tlm) -> set[int]:

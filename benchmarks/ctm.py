@@ -6,7 +6,7 @@ vocabulary is the words seen in the training documents (test tokens of other wor
 are dropped). Each test document's tokens are shuffled (``default_rng(1)``); the
 first half (``n // 2`` tokens) is *observed*, the rest is *scored*.
 
-Model (K = 10), as a PyMC user writes it, with collapsed counts::
+Model (K = 10 unless ``--K``), as a PyMC user writes it, with collapsed counts::
 
     mu ~ Normal(0, 1), shape K-1
     eta ~ Normal(mu, 1), shape (D, K-1)
@@ -22,6 +22,10 @@ compilation):
   iteration cap ``--hmcssvi-n``.
 * ``hmcssvi_meanfield``: the same with ``cov="diag"``: a diagonal q per document
   (the paper's mean-field baseline), the topics' diagonal q as in the default.
+* ``hmcssvi_adagrad``: the same with ``mean_optimizer="adagrad"`` (the paper's
+  H-MC-SSVI variant: AdaGrad steps for the means).
+* ``sdsvi``: ``pm.fit(method="sdsvi")`` (S-DSVI, the plugin's defaults), iteration cap
+  ``--sdsvi-n``.
 * ``advi``: ``pm.fit(method="advi")`` on the same model, ``--advi-n`` iterations.
 * ``tomotopy``: ``tomotopy.CTModel(k=10, seed=0)`` (Gibbs sampling), trained in
   chunks of ``--tomotopy-chunk`` iterations, one worker thread.
@@ -45,13 +49,21 @@ the same seeds for every method. NLL = -sum_d sum_v n_dv log (theta_d @ beta)_v 
   proportions, same NLL formula).
 
 Snapshots of the means (of ``beta`` and the prior for tomotopy) are taken along each
-run (their time is excluded from the clock) and scored after the fit, which gives the
+run (every few iterations, at least ``max_seconds / 50`` apart) (their time is excluded from the clock) and scored after the fit, which gives the
 held-out NLL curve and the time to reach within 0.01 nats of each method's final NLL.
 
 Run ``python benchmarks/ctm.py`` (about 20 minutes on 2 cores; ``--methods advi``
 runs one method into ``benchmarks/.cache/`` and ``--report`` merges the cached
 methods). Writes ``benchmarks/results/ctm.json`` and ``benchmarks/results/ctm.md``
 (also printed). ``--quick`` is a smoke test (short caps, ``_quick`` file names).
+
+``--K 5`` (any K other than 10) puts ``_K5`` into the cache and result file names
+(``benchmarks/results/ctm_K5.json``/``.md``), so the K sweep's rows are kept apart;
+``python benchmarks/ctm.py --report`` (K = 10) also writes the K-sweep table from
+whatever ``ctm_K*`` caches exist (K = 10 rows from the main caches, with their NLL at
+the sweep's cap read from the snapshot curve). Every run records the load averages
+(1, 5, 15 min) just before and just after its worker (``load_before``,
+``load_after``). Perplexity = exp(per-word NLL).
 """
 
 from __future__ import annotations
@@ -72,10 +84,18 @@ import common  # noqa: E402
 
 RESULTS = common.REPO_ROOT / "benchmarks" / "results"
 CACHE = common.REPO_ROOT / "benchmarks" / ".cache"
-METHODS = ("hmcssvi", "hmcssvi_meanfield", "advi", "tomotopy")
+import os  # noqa: E402
+
+METHODS = ("hmcssvi", "hmcssvi_meanfield", "hmcssvi_adagrad", "sdsvi", "advi", "tomotopy")
+PLUGIN = ("hmcssvi", "hmcssvi_meanfield", "hmcssvi_adagrad", "sdsvi")
+SWEEP_K = (5, 10, 20, 50)
 #: pm.fit arguments per method: the plugin's default (a full block per document, a diagonal
 #: q over the topic logits) and the paper's mean-field baseline (every q diagonal)
-FIT_KW = {"hmcssvi_meanfield": dict(method="hmcssvi", cov="diag")}
+FIT_KW = {
+    "hmcssvi_meanfield": dict(method="hmcssvi", cov="diag"),
+    "hmcssvi_adagrad": dict(method="hmcssvi", mean_optimizer="adagrad"),
+    "sdsvi": dict(method="sdsvi"),
+}
 K = 10
 TARGET_NLL = 7.60
 OUTSIDE = {"PyMC ADVI": 7.633, "tomotopy": 7.799}
@@ -124,12 +144,16 @@ def load_data(seed=0):
 
 
 # ------------------------------------------------------------------------ scoring
-def infer_theta(beta, m, cov, pad, obs, draws=IS_DRAWS, seed=SCORE_SEED):
+def infer_theta(beta, m, cov, pad, obs, draws=IS_DRAWS, seed=SCORE_SEED, inflate=None, scr=None):
     """E[theta_d | observed half] for every test document (two-round importance sampling).
 
     ``beta`` (K, V) topics; prior ``N(m, cov)`` over ``d`` logits; ``pad``: append a
-    zero logit (d = K - 1). Returns ``theta`` (D, K) and the effective sample size of
-    the second round per document.
+    zero logit (d = K - 1). Returns ``theta`` (D, K), the effective sample size of
+    the second round per document, and (``scr`` given) each document's predictive
+    ``log p(scored half | observed half)`` (None otherwise). The second round's proposal
+    is the Gaussian fitted to the first round's weighted draws with its covariance
+    doubled, or (``inflate`` given) that covariance plus ``inflate * I`` (the paper's
+    appendix: the fitted q inflated by 0.1 I).
     """
     m = np.asarray(m, dtype="float64")
     cov = np.asarray(cov, dtype="float64")
@@ -152,6 +176,7 @@ def infer_theta(beta, m, cov, pad, obs, draws=IS_DRAWS, seed=SCORE_SEED):
 
     theta = np.empty((obs.shape[0], beta.shape[0]))
     ess = np.empty(obs.shape[0])
+    pred = None if scr is None else np.empty(obs.shape[0])
     for j in range(obs.shape[0]):
         idx = np.flatnonzero(obs[j])
         n = obs[j, idx].astype("float64")
@@ -160,12 +185,19 @@ def infer_theta(beta, m, cov, pad, obs, draws=IS_DRAWS, seed=SCORE_SEED):
         t1 = th(e1)
         if idx.size == 0:
             theta[j], ess[j] = t1.mean(0), draws
+            if scr is not None:
+                s_idx = np.flatnonzero(scr[j])
+                lls = np.log(t1 @ beta[:, s_idx]) @ scr[j, s_idx].astype("float64")
+                pred[j] = logsumexp(lls) - np.log(draws)
             continue
         ll1 = np.log(t1 @ B) @ n
         w1 = softmax(ll1)
         mu1 = w1 @ e1
         r = e1 - mu1
-        c1 = 2.0 * (r.T * w1) @ r + 1e-6 * np.eye(d)
+        if inflate is None:
+            c1 = 2.0 * (r.T * w1) @ r + 1e-6 * np.eye(d)
+        else:
+            c1 = (r.T * w1) @ r + inflate * np.eye(d)
         L1 = np.linalg.cholesky(c1)
         e2 = mu1 + z2[j] @ L1.T
         t2 = th(e2)
@@ -176,7 +208,11 @@ def infer_theta(beta, m, cov, pad, obs, draws=IS_DRAWS, seed=SCORE_SEED):
         w2 = np.exp(lw - logsumexp(lw))
         theta[j] = w2 @ t2
         ess[j] = 1.0 / np.sum(w2**2)
-    return theta, ess
+        if scr is not None:
+            s_idx = np.flatnonzero(scr[j])
+            lls = np.log(t2 @ beta[:, s_idx]) @ scr[j, s_idx].astype("float64")
+            pred[j] = logsumexp(lw + lls) - logsumexp(lw)
+    return theta, ess, pred
 
 
 def nll_of(theta, beta, scr):
@@ -188,9 +224,28 @@ def nll_of(theta, beta, scr):
 def score(beta, m, cov, pad, data):
     beta = np.asarray(beta, dtype="float64")
     beta = beta / beta.sum(1, keepdims=True)
-    theta, ess = infer_theta(beta, m, cov, pad, data["obs"])
+    theta, ess, _ = infer_theta(beta, m, cov, pad, data["obs"])
     return {
         "nll": nll_of(theta, beta, data["scr"]),
+        "ess_median": float(np.median(ess)),
+        "ess_min": float(np.min(ess)),
+    }
+
+
+def score_paper_is(beta, m, cov, pad, data, inflate=0.1):
+    """The paper appendix's variant: second-round proposal = fitted q + ``inflate`` I.
+
+    ``nll``: the plug-in NLL with E[theta | observed half] from that proposal;
+    ``nll_pred``: the predictive ``-sum_d log p(scored half_d | observed half_d) /
+    tokens`` (multinomial coefficients left out) with the same draws and weights.
+    """
+    beta = np.asarray(beta, dtype="float64")
+    beta = beta / beta.sum(1, keepdims=True)
+    theta, ess, pred = infer_theta(beta, m, cov, pad, data["obs"], inflate=inflate, scr=data["scr"])
+    return {
+        "inflate": inflate,
+        "nll": nll_of(theta, beta, data["scr"]),
+        "nll_pred": float(-pred.sum() / data["scr"].sum()),
         "ess_median": float(np.median(ess)),
         "ess_min": float(np.min(ess)),
     }
@@ -237,6 +292,7 @@ class Clock:
 
     def __init__(self, every, max_seconds):
         self.every, self.max_seconds = every, max_seconds
+        self.min_gap = max_seconds / 50.0
         self.t0 = time.perf_counter()
         self.excluded = 0.0
         self.times, self.snaps = [], []
@@ -248,7 +304,7 @@ class Clock:
         t = self.now()
         self.times.append(t)
         k = len(self.times)
-        if k == 1 or k % self.every == 0:
+        if k == 1 or (k % self.every == 0 and t - self.snaps[-1][1] >= self.min_gap):
             s0 = time.perf_counter()
             mm = read_means(approx)
             self.snaps.append((k, t, mm["logit_beta"], mm["mu"]))
@@ -263,19 +319,26 @@ def run_pymc(method, data, cfg):
     import pymc_mcssvi  # noqa: F401  (registers method="hmcssvi")
 
     model = build_model(data["C"])
-    plugin = method.startswith("hmcssvi")
-    n = cfg["hmcssvi_n"] if plugin else cfg["advi_n"]
+    plugin = method in PLUGIN
+    n = cfg["sdsvi_n"] if method == "sdsvi" else cfg["hmcssvi_n"] if plugin else cfg["advi_n"]
     every = cfg["hmcssvi_every"] if plugin else cfg["advi_every"]
     clock = Clock(every, cfg["max_seconds"])
     kw = dict(random_seed=0, **FIT_KW.get(method, dict(method=method)))
     approx = pm.fit(n=n, model=model, progressbar=False, callbacks=[clock], **kw)
     seconds = clock.now()
+    cpu_seconds = time.process_time()  # the worker's CPU time up to the end of the fit
     hist = np.asarray(approx.hist, dtype="float64")
     iters = len(clock.times)
     mm = read_means(approx)
     if not clock.snaps or clock.snaps[-1][0] != iters:
         clock.snaps.append((iters, seconds, mm["logit_beta"], mm["mu"]))
     vm = common.vmhwm_mb()
+    if cfg.get("suffix") is not None:  # the final means, for re-scoring without a re-run
+        np.savez(
+            CACHE / f"ctm{cfg['suffix']}_{method}_final.npz",
+            logit_beta=mm["logit_beta"],
+            mu=mm["mu"],
+        )
     curve = []
     for k, t, lb, mu in clock.snaps:
         s = score(softmax(lb, axis=1), mu, np.eye(K - 1), True, data)
@@ -292,6 +355,7 @@ def run_pymc(method, data, cfg):
         iterations=iters,
         iteration_cap=n,
         seconds=seconds,
+        cpu_seconds=cpu_seconds,
         seconds_per_iteration=float(np.median(np.diff(clock.times))) if iters > 1 else None,
         neg_elbo_last=float(np.mean(hist[-max(1, len(hist) // 20) :])) if len(hist) else None,
         hist_every=max(1, len(hist) // 500),
@@ -374,6 +438,27 @@ def run_tomotopy(data, cfg):
     return out
 
 
+def add_paper_is(data, quick):
+    """Write ``paper_is`` (:func:`score_paper_is` of the final means) into every cached
+    plugin result with a ``*_final.npz`` (runs before that file was written have none)."""
+    for k in SWEEP_K:
+        for name in PLUGIN:
+            stem = CACHE / f"ctm{quick}{'' if k == 10 else f'_K{k}'}_{name}"
+            npz, js = Path(f"{stem}_final.npz"), Path(f"{stem}.json")
+            if not (npz.exists() and js.exists()):
+                continue
+            r = json.loads(js.read_text())
+            z = np.load(npz)
+            mu = z["mu"]
+            s = score_paper_is(softmax(z["logit_beta"], axis=1), mu, np.eye(mu.size), True, data)
+            beta = softmax(z["logit_beta"], axis=1)
+            _, _, pred = infer_theta(beta, mu, np.eye(mu.size), True, data["obs"], scr=data["scr"])
+            s["nll_pred_doubled"] = float(-pred.sum() / data["scr"].sum())
+            r["paper_is"] = s
+            common.save_json(r, js)
+            common.log(f"  paper IS K={k} {name}: {s}")
+
+
 def worker(method, data, cfg):
     quiet()
     res = {"method": method, "run": common.run_record()}
@@ -402,6 +487,173 @@ def time_to_final(curve):
     return tt
 
 
+def perplexity(nll):
+    return None if nll is None else float(np.exp(nll))
+
+
+def nll_at(curve, seconds):
+    """The last snapshot NLL at or before ``seconds`` (None if none)."""
+    pts = [c for c in curve or [] if c["seconds"] <= seconds]
+    return pts[-1]["nll"] if pts else None
+
+
+def cap_of(r):
+    """The run's time cap (older caches did not store it: the largest of the caps used,
+    240, 300 or 540 s, that the run's clock passed)."""
+    if r.get("max_seconds"):
+        return r["max_seconds"]
+    if r.get("stopped_by") == "time cap":
+        caps = [c for c in (240.0, 300.0, 540.0) if c <= r["seconds"]]
+        return caps[-1] if caps else None
+    return None
+
+
+def cpu_cell(r):
+    """The worker's CPU seconds to the end of the fit (compilation included) per iteration."""
+    c, n = r.get("cpu_seconds"), r.get("iterations")
+    return common.fmt(c / n, ".2f") if c and n else "–"
+
+
+def paper_cell(r):
+    s = r.get("paper_is")
+    return f"{s['nll']:.3f} / {s['nll_pred']:.3f}" if s else "–"
+
+
+def fmt_load(x):
+    return "/".join(f"{v:.1f}" for v in x) if x else "?"
+
+
+def sweep_rows(cap):
+    """K-sweep rows from the caches: (K, method, cached result)."""
+    rows = []
+    for k in SWEEP_K:
+        for name in PLUGIN:
+            path = CACHE / f"ctm{'' if k == 10 else f'_K{k}'}_{name}.json"
+            if path.exists():
+                rows.append((k, name, json.loads(path.read_text())))
+    return rows
+
+
+def tagged_rows():
+    """Cached K = 10 re-runs with a ``--tag``: ``{"tag/method": result}``."""
+    out = {}
+    for path in sorted(CACHE.glob("ctm_*_*.json")):
+        tag, _, name = path.stem[len("ctm_") :].partition("_")
+        if name in METHODS and tag not in ("quick",) and not tag.startswith("K"):
+            out[f"{tag}/{name}"] = json.loads(path.read_text())
+    return out
+
+
+def tagged_table(tagged):
+    f = common.fmt
+    rows = []
+    for key, r in tagged.items():
+        if "error" in r:
+            rows.append([key, r["error"][:200]] + [""] * 9)
+            continue
+        rows.append(
+            [
+                key,
+                f(r["nll"], ".3f"),
+                f(perplexity(r["nll"]), ".0f"),
+                f(cap_of(r), ".0f"),
+                r["iterations"],
+                f(r.get("seconds_per_iteration"), ".2f"),
+                cpu_cell(r),
+                f(r["vmhwm_mb"], ".0f"),
+                fmt_load(r.get("load_before")),
+                fmt_load(r.get("load_after")),
+            ]
+        )
+    pts = []
+    for key, r in tagged.items():
+        if "curve" in r:
+            c = ", ".join(
+                f"it {x['iteration']} {x['seconds']:.0f} s: {x['nll']:.3f}" for x in r["curve"]
+            )
+            pts += ["", f"*{key}* NLL along the run: {c}."]
+    return [
+        "",
+        "### Re-runs kept apart (`--tag`, K = 10)",
+        "",
+        common.markdown_table(
+            [
+                "tag/method",
+                "held-out NLL",
+                "perplexity",
+                "cap (s)",
+                "iterations",
+                "s/it",
+                "CPU s/it",
+                "peak RSS (MB)",
+                "load before",
+                "load after",
+            ],
+            rows,
+        ),
+        *pts,
+    ]
+
+
+def sweep_table(cap):
+    f = common.fmt
+    rows = []
+    for k, name, r in sweep_rows(cap):
+        if "error" in r:
+            rows.append([k, name, r["error"][:200]] + [""] * 11)
+            continue
+        at = nll_at(r.get("curve"), cap)
+        rows.append(
+            [
+                k,
+                name,
+                f(r["nll"], ".3f"),
+                f(perplexity(r["nll"]), ".0f"),
+                f(at, ".3f"),
+                f(perplexity(at), ".0f"),
+                paper_cell(r),
+                f(r["seconds"], ".0f"),
+                r["iterations"],
+                f(r.get("seconds_per_iteration"), ".2f"),
+                cpu_cell(r),
+                f(r["vmhwm_mb"], ".0f"),
+                fmt_load(r.get("load_before") or (r.get("run") or {}).get("loadavg")),
+                fmt_load(r.get("load_after")),
+            ]
+        )
+    if not rows:
+        return []
+    return [
+        "",
+        f"### K sweep (structured vs mean field, {cap:.0f} s caps)",
+        "",
+        "Held-out per-word NLL of the final fit and at the last snapshot within "
+        f"{cap:.0f} s (the K = 10 rows come from the longer main runs, so *NLL at "
+        f"{cap:.0f} s* is their comparable column). Load: 1/5/15-min averages before and "
+        "after the worker.",
+        "",
+        common.markdown_table(
+            [
+                "K",
+                "method",
+                "final NLL",
+                "perplexity",
+                f"NLL at {cap:.0f} s",
+                f"perplexity at {cap:.0f} s",
+                "IS q+0.1I: NLL / pred.",
+                "seconds",
+                "iterations",
+                "s/it",
+                "CPU s/it",
+                "peak RSS (MB)",
+                "load before",
+                "load after",
+            ],
+            rows,
+        ),
+    ]
+
+
 def report(results):
     f = common.fmt
     rows = []
@@ -410,24 +662,31 @@ def report(results):
         if r is None:
             continue
         if "error" in r:
-            rows.append([name, r["error"], "", "", "", "", "", ""])
+            rows.append([name, r["error"][:300]] + [""] * 14)
             continue
         rows.append(
             [
                 name,
                 f(r["nll"], ".3f"),
+                f(perplexity(r["nll"]), ".0f"),
                 f(r.get("nll_draws", r.get("nll_own_infer")), ".3f"),
+                paper_cell(r),
+                f(cap_of(r), ".0f"),
                 f(r["seconds"], ".0f"),
                 r["iterations"],
+                f(r.get("seconds_per_iteration"), ".2f"),
+                cpu_cell(r),
                 f(time_to_final(r["curve"]), ".0f"),
                 f(r["vmhwm_mb"], ".0f"),
+                fmt_load(r.get("load_before") or (r.get("run") or {}).get("loadavg")),
+                fmt_load(r.get("load_after")),
                 "yes" if r["nll"] <= TARGET_NLL else "no",
             ]
         )
     d = results["data"]
     run = results["run"]
     lines = [
-        "## Correlated topic model (Reuters, K = 10)",
+        f"## Correlated topic model (Reuters, K = {results['k']})",
         "",
         f"Measured {run['date']} on {run['machine'].get('cpu_model', '?')} "
         f"({run['machine'].get('cpu_count')} logical CPUs), commit {run['commit']}"
@@ -447,19 +706,35 @@ def report(results):
         "`N(mean of mu, I)`; column *alt* uses `beta` averaged over 200 posterior draws of "
         "`softmax(logit_beta)`. tomotopy: its topic-word distributions and fitted prior "
         "(mean, covariance); *alt* uses tomotopy's own `infer` on the observed halves. "
-        f"Time cap {results['config']['max_seconds']:.0f} s per method (the clock includes "
+        "Time cap per method in column *cap* (the clock includes "
         "compilation; snapshot scoring is excluded). *to final*: time after which the "
-        f"snapshot NLL stays within {TOL} of the method's final NLL.",
+        f"snapshot NLL stays within {TOL} of the method's final NLL. Perplexity = "
+        "exp(held-out NLL). *IS q+0.1I*: the paper appendix's variant on the final means "
+        "(second-round proposal = the Gaussian fitted to the first round plus 0.1 I instead "
+        "of doubled): plug-in NLL and the predictive -log p(scored half | observed half) "
+        "per token; – where the run stored no final means. *s/it*: median wall seconds per "
+        "iteration; *CPU s/it*: the worker's CPU seconds up to the end of the fit "
+        "(compilation included) over the iterations, less sensitive to the load (– for runs "
+        "before it was recorded). Load: 1/5/15-min load "
+        "averages just before and just after the method's worker (runs before the load was "
+        "recorded this way show the 1-min load at the start).",
         "",
         common.markdown_table(
             [
                 "method",
                 "held-out NLL",
+                "perplexity",
                 "alt NLL",
+                "IS q+0.1I: NLL / pred.",
+                "cap (s)",
                 "seconds",
                 "iterations",
+                "s/it",
+                "CPU s/it",
                 "to final (s)",
                 "peak RSS (MB)",
+                "load before",
+                "load after",
                 f"<= {TARGET_NLL}",
             ],
             rows,
@@ -488,6 +763,10 @@ def report(results):
         if r and "curve" in r:
             pts = ", ".join(f"{c['seconds']:.0f} s: {c['nll']:.3f}" for c in r["curve"])
             lines += ["", f"*{name}* NLL along the run ({r['stopped_by']}): {pts}."]
+    if results["k"] == 10 and results.get("sweep_cap"):
+        lines += sweep_table(results["sweep_cap"])
+    if results.get("tagged"):
+        lines += tagged_table(results["tagged"])
     if results.get("notes"):
         lines += ["", results["notes"]]
     return "\n".join(lines) + "\n"
@@ -500,7 +779,22 @@ def main(argv=None):
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--report", action="store_true", help="only merge the cached methods")
     p.add_argument("--max-seconds", type=float, default=None)
+    p.add_argument("--K", type=int, default=10, help="number of topics")
+    p.add_argument(
+        "--tag",
+        default="",
+        help="cache names ctm_<tag>_<method>.json, for re-runs kept apart from the main "
+        "rows (K = 10 only; the main report lists them in a table of their own)",
+    )
+    p.add_argument("--sweep-cap", type=float, default=240.0, help="K-sweep table's time cap")
+    p.add_argument(
+        "--paper-is",
+        action="store_true",
+        help="score the stored final means of every cached plugin run (all K) with the "
+        "paper's importance-sampling variant (proposal q + 0.1 I) into its cache file",
+    )
     p.add_argument("--hmcssvi-n", type=int, default=None)
+    p.add_argument("--sdsvi-n", type=int, default=None)
     p.add_argument("--advi-n", type=int, default=None)
     p.add_argument("--notes", default="")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -508,36 +802,54 @@ def main(argv=None):
     p.add_argument("--out", default=None, help=argparse.SUPPRESS)
     p.add_argument("--cfg", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    global K
+    K = args.K
     common.set_run_mode("quick" if args.quick else "full")
     if args.worker:
         cfg = json.loads(args.cfg)
+        K = cfg["K"]
         data = load_data(cfg["seed"])
         common.save_json(worker(args.task, data, cfg), args.out)
         return
     cfg = dict(
         seed=args.seed,
+        K=K,
         max_seconds=args.max_seconds or (30.0 if args.quick else 300.0),
         hmcssvi_n=args.hmcssvi_n or (3 if args.quick else 1000),
         hmcssvi_every=1 if args.quick else 4,
+        sdsvi_n=args.sdsvi_n or (3 if args.quick else 100000),
         advi_n=args.advi_n or (300 if args.quick else 20000),
         advi_every=100 if args.quick else 250,
         tomotopy_chunk=10 if args.quick else 100,
         tomotopy_max_iter=20 if args.quick else 3000,
     )
-    suffix = "_quick" if args.quick else ""
+    suffix = ("_quick" if args.quick else "") + ("" if K == 10 else f"_K{K}")
+    if args.tag:
+        suffix += f"_{args.tag}"
+    cfg["suffix"] = suffix
     CACHE.mkdir(parents=True, exist_ok=True)
     todo = [] if args.report else [m for m in args.methods.split(",") if m]
     for method in todo:
-        common.log(f"worker {method}")
+        common.log(f"worker {method} K={K}")
+        load_before = [round(x, 2) for x in os.getloadavg()]
         res = common.run_worker(
             __file__,
             ["--task", method, "--cfg", json.dumps(cfg)],
             {"method": method, "run": common.run_record()},
             timeout=cfg["max_seconds"] + 420,
         )
-        common.log(f"  -> NLL {res.get('nll')} error {res.get('error')}")
+        res["load_before"] = load_before
+        res["load_after"] = [round(x, 2) for x in os.getloadavg()]
+        res["k"] = K
+        res["max_seconds"] = cfg["max_seconds"]
+        common.log(
+            f"  -> NLL {res.get('nll')} error {res.get('error')} "
+            f"load {load_before} -> {res['load_after']}"
+        )
         common.save_json(res, CACHE / f"ctm{suffix}_{method}.json")
     data = load_data(cfg["seed"])
+    if args.paper_is:
+        add_paper_is(data, "_quick" if args.quick else "")
     methods = {}
     for method in METHODS:
         path = CACHE / f"ctm{suffix}_{method}.json"
@@ -545,7 +857,9 @@ def main(argv=None):
             methods[method] = json.loads(path.read_text())
     results = {
         "run": common.run_record(),
-        "command": "python benchmarks/ctm.py" + (" --quick" if args.quick else ""),
+        "command": "python benchmarks/ctm.py"
+        + (" --quick" if args.quick else "")
+        + ("" if K == 10 else f" --K {K}"),
         "config": cfg,
         "k": K,
         "data": data["info"],
@@ -558,12 +872,32 @@ def main(argv=None):
         ),
         "methods": methods,
         "notes": args.notes,
+        "sweep_cap": None if args.quick else args.sweep_cap,
+        "tagged": tagged_rows() if K == 10 and not args.quick and not args.tag else {},
     }
     for r in methods.values():
         if "curve" in r:
             r["time_to_final"] = time_to_final(r["curve"])
     md = report(results)
     common.save_json(results, RESULTS / f"ctm{suffix}.json")
+    if results["sweep_cap"] and K == 10:
+        results["k_sweep"] = [
+            dict(
+                k=k,
+                method=name,
+                nll=r.get("nll"),
+                perplexity=perplexity(r.get("nll")),
+                nll_at_cap=nll_at(r.get("curve"), args.sweep_cap),
+                iterations=r.get("iterations"),
+                seconds=r.get("seconds"),
+                seconds_per_iteration=r.get("seconds_per_iteration"),
+                vmhwm_mb=r.get("vmhwm_mb"),
+                load_before=r.get("load_before"),
+                load_after=r.get("load_after"),
+                error=r.get("error"),
+            )
+            for k, name, r in sweep_rows(args.sweep_cap)
+        ]
     out_md = (RESULTS if not args.quick else CACHE) / f"ctm{suffix}.md"
     out_md.write_text(md)
     print(md)

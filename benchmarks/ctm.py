@@ -439,24 +439,25 @@ def run_tomotopy(data, cfg):
 
 
 def add_paper_is(data, quick):
-    """Write ``paper_is`` (:func:`score_paper_is` of the final means) into every cached
-    plugin result with a ``*_final.npz`` (runs before that file was written have none)."""
-    for k in SWEEP_K:
-        for name in PLUGIN:
-            stem = CACHE / f"ctm{quick}{'' if k == 10 else f'_K{k}'}_{name}"
-            npz, js = Path(f"{stem}_final.npz"), Path(f"{stem}.json")
-            if not (npz.exists() and js.exists()):
-                continue
-            r = json.loads(js.read_text())
-            z = np.load(npz)
-            mu = z["mu"]
-            s = score_paper_is(softmax(z["logit_beta"], axis=1), mu, np.eye(mu.size), True, data)
-            beta = softmax(z["logit_beta"], axis=1)
-            _, _, pred = infer_theta(beta, mu, np.eye(mu.size), True, data["obs"], scr=data["scr"])
-            s["nll_pred_doubled"] = float(-pred.sum() / data["scr"].sum())
-            r["paper_is"] = s
-            common.save_json(r, js)
-            common.log(f"  paper IS K={k} {name}: {s}")
+    """Write ``paper_is`` (:func:`score_paper_is` of the final means; ``nll_pred_doubled``:
+    the predictive NLL with the default doubled proposal) into every cached plugin result
+    with a ``*_final.npz`` (all K and tags; runs before that file was written have none)."""
+    for npz in sorted(CACHE.glob(f"ctm{quick}_*_final.npz")):
+        if not quick and npz.name.startswith("ctm_quick_"):
+            continue
+        js = npz.with_name(npz.name[: -len("_final.npz")] + ".json")
+        if not js.exists():
+            continue
+        r = json.loads(js.read_text())
+        z = np.load(npz)
+        mu = z["mu"]
+        beta = softmax(z["logit_beta"], axis=1)
+        s = score_paper_is(beta, mu, np.eye(mu.size), True, data)
+        _, _, pred = infer_theta(beta, mu, np.eye(mu.size), True, data["obs"], scr=data["scr"])
+        s["nll_pred_doubled"] = float(-pred.sum() / data["scr"].sum())
+        r["paper_is"] = s
+        common.save_json(r, js)
+        common.log(f"  paper IS {js.stem}: {s}")
 
 
 def worker(method, data, cfg):
@@ -549,13 +550,14 @@ def tagged_table(tagged):
     rows = []
     for key, r in tagged.items():
         if "error" in r:
-            rows.append([key, r["error"][:200]] + [""] * 9)
+            rows.append([key, r["error"][:200]] + [""] * 10)
             continue
         rows.append(
             [
                 key,
                 f(r["nll"], ".3f"),
                 f(perplexity(r["nll"]), ".0f"),
+                paper_cell(r),
                 f(cap_of(r), ".0f"),
                 r["iterations"],
                 f(r.get("seconds_per_iteration"), ".2f"),
@@ -581,6 +583,7 @@ def tagged_table(tagged):
                 "tag/method",
                 "held-out NLL",
                 "perplexity",
+                "IS q+0.1I: NLL / pred.",
                 "cap (s)",
                 "iterations",
                 "s/it",
@@ -894,6 +897,8 @@ def main(argv=None):
                 vmhwm_mb=r.get("vmhwm_mb"),
                 load_before=r.get("load_before"),
                 load_after=r.get("load_after"),
+                cpu_seconds=r.get("cpu_seconds"),
+                paper_is=r.get("paper_is"),
                 error=r.get("error"),
             )
             for k, name, r in sweep_rows(args.sweep_cap)

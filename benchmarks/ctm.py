@@ -882,7 +882,8 @@ def main(argv=None):
         if "curve" in r:
             r["time_to_final"] = time_to_final(r["curve"])
     md = report(results)
-    common.save_json(results, RESULTS / f"ctm{suffix}.json")
+    out_dir = CACHE if args.tag else RESULTS  # tagged re-runs: listed in the main report
+    common.save_json(results, out_dir / f"ctm{suffix}.json")
     if results["sweep_cap"] and K == 10:
         results["k_sweep"] = [
             dict(
@@ -903,7 +904,7 @@ def main(argv=None):
             )
             for k, name, r in sweep_rows(args.sweep_cap)
         ]
-    out_md = (RESULTS if not args.quick else CACHE) / f"ctm{suffix}.md"
+    out_md = (out_dir if not args.quick else CACHE) / f"ctm{suffix}.md"
     out_md.write_text(md)
     print(md)
 

@@ -35,7 +35,6 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
-import pytensor
 import pytensor.tensor as pt
 from pytensor.gradient import pushforward
 from pytensor.graph.basic import Constant
@@ -47,7 +46,7 @@ from pytensor.tensor.basic import Alloc, Split
 from pytensor.tensor.blockwise import Blockwise
 from pytensor.tensor.math import Prod
 from pytensor.tensor.random.op import RandomVariable
-from pytensor.tensor.shape import Reshape, Shape, Shape_i
+from pytensor.tensor.shape import Reshape
 
 from pymc_mcssvi.algorithms.arrow import arrow_solve
 from pymc_mcssvi.algorithms.optimizers import Optimizer
@@ -61,7 +60,7 @@ from pymc_mcssvi.families.gaussian import (
 )
 from pymc_mcssvi.families.gaussian import entropy as gaussian_entropy
 from pymc_mcssvi.recognize.graph import depends_on_any
-from pymc_mcssvi.recognize.vectorize import jacobian, vectorize_graph
+from pymc_mcssvi.recognize.vectorize import jacobian, shapes_at_fixed, vectorize_graph
 
 __all__ = [
     "HyperSpec",
@@ -249,37 +248,6 @@ def _constant_value(var):
         value, *shape = (np.asarray(i.data) for i in node.inputs)
         return np.broadcast_to(value, tuple(int(s) for s in shape))
     return None
-
-
-def shapes_at_fixed(h, outputs):
-    """``outputs`` with the shape of every tensor that depends on ``h`` (a variable or
-    a list of them, of static shapes) read from the same tensor at ``h = 0``.
-
-    Shapes do not depend on ``h``'s value, but ``vectorize_graph`` over draws of
-    ``h`` batches them: ``Reshape`` and ``Alloc`` then get a batch of target shapes,
-    become ``Blockwise`` ops whose outputs lose the static length-1 axes of the
-    unbatched graph, and the rewrites drop the broadcasts that relied on them
-    (an LKJ covariance read as ``z @ chol.T`` indexed a length-1 axis by the
-    group index: ``IndexError`` in the step). Read at a fixed ``h`` they stay
-    unbatched and the batched graph keeps native ops.
-    """
-    hs = [h] if isinstance(h, pytensor.graph.basic.Variable) else list(h)
-    twins = {
-        v: pt.constant(np.zeros(v.type.shape, dtype=v.dtype))
-        for v in hs
-        if None not in v.type.shape
-    }
-    nodes = [
-        node
-        for node in io_toposort(list(graph_inputs(outputs)), outputs)
-        if isinstance(node.op, Shape | Shape_i) and depends_on_any(node.inputs[0], hs)
-    ]
-    if not nodes:
-        return list(outputs)
-    # one replacement for all of them: the fixed-h copies share their subgraphs
-    fixed = graph_replace([node.inputs[0] for node in nodes], twins, strict=False)
-    replace = {node.outputs[0]: node.op(x) for node, x in zip(nodes, fixed, strict=True)}
-    return graph_replace(outputs, replace, strict=False)
 
 
 def _sized_by(h, outputs) -> bool:
@@ -554,7 +522,7 @@ class PointHyperparameters:
             outs = twice_differentiable_products(outs)
         value = outs[0]
         ok = pt.isfinite(value)
-        grad = pt.grad(pt.switch(ok, value, 0.0), state.cand)
+        grad = pt.grad(pt.switch(ok, value, 0.0), state.cand, disconnected_inputs="ignore")
         hess = jacobian(grad, state.cand) if self.spec.optimizer is None else None
         finite = _finite(grad) if hess is None else _finite(grad, hess)
         if not cross:
@@ -688,7 +656,7 @@ class MeanFieldHyperparameters:
         h = pt.vector("h_draw", shape=(self.spec.size,))
         outs = graph_replace(outputs, self.spec.replacements(h), strict=False)
         value = outs[0]
-        grad = pt.grad(pt.switch(pt.isfinite(value), value, 0.0), h)
+        grad = pt.grad(pt.switch(pt.isfinite(value), value, 0.0), h, disconnected_inputs="ignore")
         st = GaussianBlocks(state.cand_mean, state.cand_factor)
         draws = self._draws(st)
         singles = [*outs, grad]

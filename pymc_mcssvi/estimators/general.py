@@ -50,7 +50,7 @@ from pymc_mcssvi.recognize.graph import (
 )
 from pymc_mcssvi.recognize.separable import flat_offsets, hessian_colors, read_flat
 from pymc_mcssvi.recognize.stabilize import stable_logp
-from pymc_mcssvi.recognize.vectorize import vectorize_graph
+from pymc_mcssvi.recognize.vectorize import shapes_at_fixed, vectorize_graph
 
 __all__ = ["GeneralEstimator", "flat_indices"]
 
@@ -141,6 +141,10 @@ class GeneralEstimator:
         )
         c = pt.vector("color", shape=(self.dim,))
         hvp = pt.grad(pt.sum(grad * c), w)
+        # sizes read from tensors at fixed w and c: batched over draws and colors they
+        # would become a batch of sizes (the split positions of a join's gradient, a
+        # topic model's [eta, 0]), which JAX cannot trace and numba runs in object mode
+        total, grad, hvp = shapes_at_fixed([w, c], [total, grad, hvp])
         hess = vectorize_graph(hvp, {c: colors})  # (C, dim)
         self._w = w
         self._graphs = (total, grad, hess)

@@ -39,12 +39,11 @@ from pytensor.tensor.blockwise import Blockwise
 from pytensor.tensor.elemwise import Elemwise
 from threadpoolctl import threadpool_limits
 
-from pymc_mcssvi.algorithms.hyperparameters import shapes_at_fixed
 from pymc_mcssvi.backend.modes import graph_building, python_few_calls_mode
 from pymc_mcssvi.posterior.marginal import refit_graph
 from pymc_mcssvi.posterior.profile_grid import LADDER
 from pymc_mcssvi.posterior.settings import SETTINGS
-from pymc_mcssvi.recognize.vectorize import vectorize_graph
+from pymc_mcssvi.recognize.vectorize import shapes_at_fixed, vectorize_graph
 
 __all__ = [
     "GridNodes",

@@ -27,7 +27,6 @@ from pytensor.graph.traversal import ancestors
 from scipy.linalg import solve_triangular
 from threadpoolctl import threadpool_limits
 
-from pymc_mcssvi.algorithms.hyperparameters import shapes_at_fixed
 from pymc_mcssvi.backend.compile import named_backend_kwargs
 from pymc_mcssvi.backend.modes import graph_building, python_few_calls_mode
 from pymc_mcssvi.posterior.conditional import (
@@ -69,7 +68,7 @@ from pymc_mcssvi.posterior.profile_grid import (
     grow_grid,
 )
 from pymc_mcssvi.posterior.settings import SETTINGS
-from pymc_mcssvi.recognize.vectorize import vectorize_graph
+from pymc_mcssvi.recognize.vectorize import shapes_at_fixed, vectorize_graph
 
 __all__ = [
     "AxisTables",

@@ -27,7 +27,7 @@ def covariance_hyperparameters(tlm: TwoLevelModel, model) -> list[str]:
     the ``chol`` of a ``pm.MvNormal``), or any hyperparameter in the covariance
     of an ``MvNormal`` Gaussian global. Their mean-field sigma points need the
     step's shapes read at a fixed h
-    (:func:`~pymc_mcssvi.algorithms.hyperparameters.shapes_at_fixed`).
+    (:func:`~pymc_mcssvi.recognize.vectorize.shapes_at_fixed`).
     """
     names = []
     hyper_values = [h.value for h in tlm.hypers]

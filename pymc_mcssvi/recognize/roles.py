@@ -597,7 +597,17 @@ def assign_roles(model) -> Roles:
                     break
             else:
                 is_local = rv in local_rvs
-                checked = ps[1:] if is_local and isinstance(base_op(rv)[0], NormalRV) else ps
+                # a discrete local is summed out by enumeration, log sum_k p(z = k | w)
+                # p(y | z = k): its probabilities may read the Gaussian globals (a topic
+                # model's per-token topic, p = softmax(eta)[doc]); a Gaussian local's
+                # mean may, its scale may not
+                checked = (
+                    ()
+                    if is_local and not isinstance(base_op(rv)[0], NormalRV)
+                    else ps[1:]
+                    if is_local
+                    else ps
+                )
                 hit = [cvals[v] for v in cvals if any(depends_on_any(p, [v]) for p in checked)]
                 for c in hit:
                     demote(c, f"is a parameter of the prior of {rv.name!r}")

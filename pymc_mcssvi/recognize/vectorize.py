@@ -23,16 +23,21 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+import numpy as np
+import pytensor
 import pytensor.tensor as pt
 from pytensor.conditional import ifelse
 from pytensor.conditional.op import IfElse
 from pytensor.gradient import DisconnectedGrad
 from pytensor.graph.basic import Apply, Variable
-from pytensor.graph.replace import _vectorize_node
-from pytensor.graph.traversal import toposort, truncated_graph_inputs
+from pytensor.graph.replace import _vectorize_node, graph_replace
+from pytensor.graph.traversal import graph_inputs, io_toposort, toposort, truncated_graph_inputs
 from pytensor.tensor.blockwise import vectorize_node_fallback
+from pytensor.tensor.shape import Shape, Shape_i
 
-__all__ = ["LOCAL_RULES", "jacobian", "vectorize_graph"]
+from pymc_mcssvi.recognize.graph import depends_on_any
+
+__all__ = ["LOCAL_RULES", "jacobian", "shapes_at_fixed", "vectorize_graph"]
 
 
 def _unchanged_op(op, node, *batched_inputs):
@@ -131,3 +136,34 @@ def jacobian(y: Variable, x: Variable) -> Variable:
     e = pt.vector("jacobian_direction", shape=(n,), dtype=y.dtype)
     row = pt.grad(pt.sum(y * e), x, disconnected_inputs="ignore")
     return vectorize_graph(row, {e: pt.eye(n, dtype=y.dtype)})
+
+
+def shapes_at_fixed(h, outputs):
+    """``outputs`` with the shape of every tensor that depends on ``h`` (a variable or
+    a list of them, of static shapes) read from the same tensor at ``h = 0``.
+
+    Shapes do not depend on ``h``'s value, but ``vectorize_graph`` over draws of
+    ``h`` batches them: ``Reshape`` and ``Alloc`` then get a batch of target shapes,
+    become ``Blockwise`` ops whose outputs lose the static length-1 axes of the
+    unbatched graph, and the rewrites drop the broadcasts that relied on them
+    (an LKJ covariance read as ``z @ chol.T`` indexed a length-1 axis by the
+    group index: ``IndexError`` in the step). Read at a fixed ``h`` they stay
+    unbatched and the batched graph keeps native ops.
+    """
+    hs = [h] if isinstance(h, pytensor.graph.basic.Variable) else list(h)
+    twins = {
+        v: pt.constant(np.zeros(v.type.shape, dtype=v.dtype))
+        for v in hs
+        if None not in v.type.shape
+    }
+    nodes = [
+        node
+        for node in io_toposort(list(graph_inputs(outputs)), outputs)
+        if isinstance(node.op, Shape | Shape_i) and depends_on_any(node.inputs[0], hs)
+    ]
+    if not nodes:
+        return list(outputs)
+    # one replacement for all of them: the fixed-h copies share their subgraphs
+    fixed = graph_replace([node.inputs[0] for node in nodes], twins, strict=False)
+    replace = {node.outputs[0]: node.op(x) for node, x in zip(nodes, fixed, strict=True)}
+    return graph_replace(outputs, replace, strict=False)

@@ -13,7 +13,12 @@ import pymc as pm
 import pytest
 
 import pymc_mcssvi  # noqa: F401
-from pymc_mcssvi.recognize.model import MAX_GENERAL_DIM, MIN_STEIN_DIAGONAL, recognize
+from pymc_mcssvi.recognize.model import (
+    AUTO_GENERAL_DIRECTIONS,
+    MAX_GENERAL_DIM,
+    MIN_STEIN_DIAGONAL,
+    recognize,
+)
 
 
 def _quadratic(n, seed=0, coupling=0.02):
@@ -66,6 +71,42 @@ def test_topic_logits_beyond_the_product_limit_get_a_diagonal_q():
     # a structure the user chose is kept: then the limit applies
     with pytest.raises(pymc_mcssvi.exceptions.UnsupportedModelError, match="limited to"):
         recognize(m, cov={"logit_beta": "block"})
+
+
+def _small_ctm(D, K, V, seed=0):
+    counts = np.random.default_rng(seed).multinomial(30, np.ones(V) / V, size=D)
+    with pm.Model() as m:
+        mu = pm.Normal("mu", 0, 1, shape=K - 1)
+        eta = pm.Normal("eta", mu, 1, shape=(D, K - 1))
+        lg = pm.Normal("logit_beta", 0, 1, shape=(K, V))
+        theta = pm.math.softmax(pm.math.concatenate([eta, np.zeros((D, 1))], axis=1), axis=-1)
+        pm.Multinomial("w", n=30, p=theta @ pm.math.softmax(lg, axis=-1), observed=counts)
+    return m
+
+
+def test_the_automatic_layout_keeps_within_its_direction_budget():
+    """Between :data:`AUTO_GENERAL_DIRECTIONS` and the limit, the automatic layout gives
+    the topic logits a diagonal q (one product per entry costs an iteration each); the
+    user's ``cov=`` keeps one full covariance up to the limit."""
+    K, V = 3, 200
+    D = 50
+    assert AUTO_GENERAL_DIRECTIONS < K * V + D * (K - 1) <= MAX_GENERAL_DIM
+    m = _small_ctm(D, K, V)
+    tlm = recognize(m)
+    names = [tlm.gaussians[i].name for i in tlm.general_diagonal]
+    assert names == ["logit_beta"]
+    assert recognize(m, cov="full").general_diagonal == ()
+
+
+def test_a_join_of_the_logits_compiles_with_jax():
+    """``softmax([eta, 0])``: the gradient of the join is a split whose positions,
+    batched over draws and Hessian colors, JAX could not trace (the step fell back to
+    numba's object mode: 75 s to compile a 50-document CTM). The sizes are read at a
+    fixed point, so the split is static."""
+    pytest.importorskip("jax")
+    m = _small_ctm(50, 3, 200)
+    approx = pm.fit(n=2, method="hmcssvi", model=m, progressbar=False, backend="jax")
+    assert np.all(np.isfinite(approx.hist))
 
 
 def test_equal_topics_are_left_at_the_start():

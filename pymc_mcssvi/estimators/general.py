@@ -48,6 +48,7 @@ from pymc_mcssvi.recognize.graph import (
     is_separable,
     lift_gathers,
 )
+from pymc_mcssvi.recognize.model import general_reads
 from pymc_mcssvi.recognize.separable import flat_offsets, hessian_colors, read_flat
 from pymc_mcssvi.recognize.stabilize import stable_logp
 from pymc_mcssvi.recognize.vectorize import shapes_at_fixed, vectorize_graph
@@ -127,11 +128,7 @@ class GeneralEstimator:
         grad = pt.grad(total, w)
         # one Hessian-vector product per color: coordinate k of every row of the
         # row-separable globals at once, and one per coordinate of the others
-        read = {
-            i
-            for i, g in enumerate(tlm.gaussians)
-            if any(depends_on_any(t.logp, [g.value]) for t in tlm.general_terms)
-        }
+        read = general_reads(tlm)
         self._diagonal = tlm.general_diagonal
         self._color_of = hessian_colors(tlm.gaussians, tlm.general_rows, read, self._diagonal)
         n_colors = max(int(self._color_of[:, 0].max()) + 1, 1)

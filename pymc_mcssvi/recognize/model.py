@@ -394,10 +394,11 @@ def _check_general_dim(tlm, point, structure=None, fixed=(), rebuild=None):
     """Record the Gaussian globals whose rows the general terms never couple, and refuse
     Hessians of more than :data:`MAX_GENERAL_DIM` directions.
 
-    Above :data:`AUTO_GENERAL_DIRECTIONS` directions, the largest globals whose rows the terms couple and whose structure
-    the user left to the automatic choice get a diagonal q, whose Hessian diagonal comes
-    from the gradients (:func:`stein_diagonal`), until that budget is met: a topic model's
-    topic-word logits (``K x V``), which a block per topic would give ``K V`` products.
+    Above :data:`AUTO_GENERAL_DIRECTIONS` directions, the largest globals whose rows the
+    terms couple and whose structure the user left to the automatic choice get a
+    diagonal q, whose Hessian diagonal comes from the gradients (:func:`stein_diagonal`),
+    until that budget is met: a topic model's topic-word logits (``K x V``), which a
+    block per topic would give ``K V`` products.
     ``rebuild`` makes the segments of a structure.
     """
     gaussians = tlm.gaussians

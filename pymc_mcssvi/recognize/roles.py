@@ -601,13 +601,12 @@ def assign_roles(model) -> Roles:
                 # p(y | z = k): its probabilities may read the Gaussian globals (a topic
                 # model's per-token topic, p = softmax(eta)[doc]); a Gaussian local's
                 # mean may, its scale may not
-                checked = (
-                    ()
-                    if is_local and not isinstance(base_op(rv)[0], NormalRV)
-                    else ps[1:]
-                    if is_local
-                    else ps
-                )
+                if not is_local:
+                    checked = ps
+                elif isinstance(base_op(rv)[0], NormalRV):
+                    checked = ps[1:]
+                else:
+                    checked = ()
                 hit = [cvals[v] for v in cvals if any(depends_on_any(p, [v]) for p in checked)]
                 for c in hit:
                     demote(c, f"is a parameter of the prior of {rv.name!r}")

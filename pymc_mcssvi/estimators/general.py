@@ -114,6 +114,10 @@ class GeneralEstimator:
     def __init__(self, tlm, n_draws: int = 64, fixed: bool = True, seed: int = 0):
         self.tlm = tlm
         self.offsets, self.dim, self.maps = flat_indices(tlm)
+        self._blocks_stein = tuple(tlm.general_stein_blocks)
+        # Stein's blocks need more draws than block coordinates (per antithetic half)
+        k_stein = max((seg.k for seg in tlm.segments if self._stein_block_segment(seg)), default=0)
+        n_draws = max(int(n_draws), 2 * (k_stein + 1))
         self.n_draws = int(n_draws) + (int(n_draws) % 2 if fixed else 0)
         self.fixed = fixed
         self.seed = seed
@@ -130,7 +134,8 @@ class GeneralEstimator:
         # row-separable globals at once, and one per coordinate of the others
         read = general_reads(tlm)
         self._diagonal = tlm.general_diagonal
-        self._color_of = hessian_colors(tlm.gaussians, tlm.general_rows, read, self._diagonal)
+        no_products = tuple(self._diagonal) + self._blocks_stein
+        self._color_of = hessian_colors(tlm.gaussians, tlm.general_rows, read, no_products)
         n_colors = max(int(self._color_of[:, 0].max()) + 1, 1)
         colored = np.flatnonzero(self._color_of[:, 0] >= 0)
         colors = pt.set_subtensor(
@@ -142,12 +147,16 @@ class GeneralEstimator:
         # would become a batch of sizes (the split positions of a join's gradient, a
         # topic model's [eta, 0]), which JAX cannot trace and numba runs in object mode
         total, grad, hvp = shapes_at_fixed([w, c], [total, grad, hvp])
-        hess = vectorize_graph(hvp, {c: colors})  # (C, dim)
+        if colored.size:
+            hess = vectorize_graph(hvp, {c: colors})  # (C, dim)
+        else:  # every Hessian entry comes from the gradients (Stein's identity)
+            hess = pt.zeros((1, self.dim))
         self._w = w
         self._graphs = (total, grad, hess)
         #: the products one color at a time (a scan over the colors: a chunked step
         #: holds one product's intermediates, not every color's)
         self._hvp, self._color, self._colors = hvp, c, colors
+        self._products = bool(colored.size)
         self.per_observation = PerObservation.build(tlm, self.offsets, self.maps)
         per_obs = self.per_observation
         if per_obs is not None and per_obs.cost >= n_colors * per_obs.n_obs:
@@ -191,6 +200,8 @@ class GeneralEstimator:
             if self._is_stein(seg):
                 var = covariance(st, parameterization)[:, 0, 0]
                 stein[s] = ((sampled - st.mean[None]).reshape((n, seg.dim)), var)
+            elif self._stein_block_segment(seg):
+                stein[s] = (sampled - st.mean[None], covariance(st, parameterization))
         average = _average if draws is None else _weighted_average(draws.weight, self.n_draws)
         if need_hessian and self.per_observation is not None:
             return self.per_observation.expectations(W, self.maps, average)
@@ -207,6 +218,9 @@ class GeneralEstimator:
             HV = average(vals[2])
         hess = []
         for s, idx in enumerate(self.maps):
+            if s in stein and self._stein_block_segment(self.tlm.segments[s]):
+                hess.append(_stein_blocks(vals[1][:, idx], *stein[s], average))
+                continue
             if s in stein:
                 # Stein's identity: E[g(w) (w - m)] = H S for the diagonal S, entry by entry
                 dev, var = stein[s]
@@ -221,9 +235,16 @@ class GeneralEstimator:
         """Whether the segment's Hessian diagonal comes from the gradients."""
         return seg.kind == "diag" and seg.members[0] in self._diagonal
 
+    def _stein_block_segment(self, seg) -> bool:
+        """Whether the segment's per-row Hessian blocks come from the gradients."""
+        return seg.kind == "block" and set(seg.members) <= set(self._blocks_stein)
+
     def _products_by_color(self, W, average, mode=None):
         """The Hessian-vector products of every color, averaged over the draws ``W``,
         computed one color at a time by a scan (``(C, dim)``)."""
+
+        if not self._products:
+            return pt.zeros((1, self.dim))
 
         def product(color):
             return average(vectorize_graph(self._hvp, {self._w: W, self._color: color}))
@@ -266,6 +287,27 @@ def _weighted_average(weight, n_total):
         return pt.sum(w * x, axis=0) / n_total
 
     return average
+
+
+def _stein_blocks(grads, dev, cov, average):
+    """Per-row Hessian blocks from the gradients by Stein's identity,
+    ``E[g (w - m)^T] = H Sigma``: ``(R, K, K)`` from the draws' gradients and deviations
+    from the mean (``(n, R, K)`` each) and q's covariance blocks ``Sigma`` (``(R, K, K)``),
+    symmetrized. The draws' outer products are summed by one batched product per row
+    (``(R, K, n) @ (R, n, K)``): no ``(n, R, K, K)`` array. Exact when the log density is
+    quadratic and the draws' second moments are exact (fixed moment-matched draws).
+
+    ``average`` weighs the draws (all of them, or a chunk's part of the average): it is
+    applied to a one-hot stand-in to read each draw's weight.
+    """
+    n = grads.shape[0]
+    weight = average(pt.eye(n))  # (n,): each draw's weight in the average
+    g = (grads * weight[:, None, None]).dimshuffle(1, 2, 0)  # (R, K, n)
+    outer = pt.matmul(g, dev.dimshuffle(1, 0, 2))  # (R, K, K): E[g dev^T]
+    # H = E[g dev^T] Sigma^-1 = (Sigma^-1 E[dev g^T])^T, Sigma symmetric
+    H = pt.linalg.solve(cov, outer.dimshuffle(0, 2, 1), assume_a="pos", b_ndim=2)
+    H = H.dimshuffle(0, 2, 1)
+    return 0.5 * (H + H.dimshuffle(0, 2, 1))
 
 
 def _blocks(HV, idx, color_of):

@@ -332,6 +332,9 @@ class TwoLevelModel:
     #: Ids of the Gaussian globals with a diagonal q whose Hessian diagonal the general
     #: terms' estimator takes from the gradients (Stein's identity), without products.
     general_diagonal: tuple[int, ...] = ()
+    #: Ids of the row-separable Gaussian globals whose per-row Hessian blocks the
+    #: general terms' estimator takes from the gradients (Stein's identity).
+    general_stein_blocks: tuple[int, ...] = ()
     #: Recognition's note when q keeps crossed (or nested) factors' effect vectors in
     #: independent segments (empty when one full covariance holds them).
     split_crossed_note: str = ""

@@ -72,6 +72,7 @@ from pymc_mcssvi.recognize.zerosum import zerosum_as_linear
 __all__ = [
     "AUTO_GENERAL_DIRECTIONS",
     "MAX_GENERAL_DIM",
+    "MIN_STEIN_BLOCK",
     "MIN_STEIN_DIAGONAL",
     "check_data",
     "evaluation_failure",
@@ -94,6 +95,14 @@ AUTO_GENERAL_DIRECTIONS = 512
 #: gradients (Stein's identity, :class:`~pymc_mcssvi.estimators.general.GeneralEstimator`)
 #: instead of one Hessian-vector product per entry.
 MIN_STEIN_DIAGONAL = 256
+#: Per-row blocks of at least this size, of a global whose rows the general terms never
+#: couple (a topic model's document logits at K >= 25), take their Hessian blocks from
+#: the gradients (Stein's identity, ``E[g (w - m)^T] Sigma^-1``) instead of one
+#: Hessian-vector product per block coordinate: the cost of a draw no longer grows with
+#: the block size. Exact for a quadratic log density (the fixed draws' moments are
+#: exact); the estimator takes at least ``2 (k + 1)`` draws. Below this size the
+#: products are cheap and exact per draw.
+MIN_STEIN_BLOCK = 24
 
 
 def recognize(
@@ -404,9 +413,18 @@ def _check_general_dim(tlm, point, structure=None, fixed=(), rebuild=None):
     gaussians = tlm.gaussians
     tlm.general_rows = separable_rows(gaussians, tlm.general_terms, tlm.model, point)
     read = general_reads(tlm)
+    tlm.general_stein_blocks = stein_blocks(tlm, read, fixed)
+    if tlm.general_stein_blocks:
+        names = ", ".join(repr(gaussians[i].name) for i in tlm.general_stein_blocks)
+        tlm.notes.append(
+            f"the Hessian blocks of {names} come from the gradients (Stein's identity): "
+            f"blocks of {MIN_STEIN_BLOCK} or more coordinates would take one Hessian-vector "
+            "product per coordinate. Pass cov={name: 'block'} to keep the products."
+        )
 
     def n_directions():
-        colors = hessian_colors(gaussians, tlm.general_rows, read, stein_diagonal(tlm, read))
+        no_products = stein_diagonal(tlm, read) + tlm.general_stein_blocks
+        colors = hessian_colors(gaussians, tlm.general_rows, read, no_products)
         return int(colors[:, 0].max()) + 1
 
     size = n_directions()
@@ -431,6 +449,7 @@ def _check_general_dim(tlm, point, structure=None, fixed=(), rebuild=None):
                 "(Stein's identity). Pass cov={name: 'block'} to keep the blocks."
             )
     tlm.general_diagonal = stein_diagonal(tlm, read)
+    tlm.general_stein_blocks = stein_blocks(tlm, read, fixed)
     if size > MAX_GENERAL_DIM:
         names = ", ".join(t.name for t in tlm.general_terms)
         raise UnsupportedModelError(
@@ -450,6 +469,21 @@ def stein_diagonal(tlm, read) -> tuple[int, ...]:
     exact per draw)."""
     diag = {i for seg in tlm.segments if seg.kind == "diag" for i in seg.members}
     return tuple(i for i in sorted(diag & set(read)) if _steinable(tlm, i))
+
+
+def stein_blocks(tlm, read, fixed=()) -> tuple[int, ...]:
+    """Ids of the globals whose per-row Hessian blocks the general terms' estimator takes
+    from the gradients: read by the general terms, rows never coupled, in a ``"block"``
+    segment of at least :data:`MIN_STEIN_BLOCK` coordinates per row whose members all
+    qualify, and q's structure left to the automatic choice (not in ``fixed``)."""
+    out = []
+    for seg in tlm.segments:
+        if seg.kind != "block" or seg.k < MIN_STEIN_BLOCK:
+            continue
+        members = set(seg.members)
+        if members <= set(read) & set(tlm.general_rows) and not members & set(fixed):
+            out += sorted(members)
+    return tuple(sorted(out))
 
 
 def _steinable(tlm, i) -> bool:

@@ -33,7 +33,7 @@ and ``advi`` (``pm.fit(method="advi")``), both with ``n`` large and a wall-clock
 callback raising ``StopIteration``. The clock starts right before ``pm.fit`` (so it
 includes compilation); the time spent scoring snapshots is excluded from it. Per
 iteration the wall time and the -ELBO are recorded; every ``--every`` iterations (at
-least ``max_seconds / 30`` apart) the held-out NLL of the current means is computed and
+least ``max_seconds / 15`` apart) the held-out NLL of the current means is computed and
 logged (and a progress file written to ``benchmarks/.cache/``, so a killed run leaves
 its numbers).
 
@@ -261,7 +261,7 @@ class Clock:
     def __init__(self, method, data, every, max_seconds, progress):
         self.method, self.data = method, data
         self.every, self.max_seconds = every, max_seconds
-        self.min_gap = max_seconds / 30.0
+        self.min_gap = max_seconds / 15.0
         self.progress = progress
         self.excluded = 0.0
         self.times, self.losses, self.curve = [], [], []

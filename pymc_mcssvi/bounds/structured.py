@@ -204,7 +204,11 @@ class StructuredBound:
             per_row = 2 * 10.0 * PAIR_POINTS**2 + sum(self._design_work(g) for g in geoms)
             total += _numeric_size(geoms[0].n_rows) * per_row
         if self.general.active:
-            total += 50.0 * self.general.n_draws * self.general.dim**2
+            # the draws' log density, gradient and Hessian-vector products (about two
+            # flops per element of each node that depends on the globals), or the
+            # Hessians' assembly when that is larger
+            per_draw = 2.0 * self.general.bytes_per_draw(by_color=False) / 8.0
+            total += self.general.n_draws * max(50.0 * self.general.dim**2, per_draw)
         for (term, su, _), layout in zip(self.bilinear.items, self.bilinear.layouts, strict=True):
             n = _numeric_size(term.left_rows.shape[0])
             if layout is None:

@@ -591,16 +591,26 @@ def log_spaced(n_max, k):
     return np.unique(np.round(np.geomspace(1, max(2, n_max), k)).astype(int))
 
 
-def vmhwm_mb() -> float:
-    """Peak resident memory of this process so far (``VmHWM``, MB; NaN where unavailable)."""
+def _status_mb(key: str) -> float:
+    """A memory field of ``/proc/self/status`` in MB (NaN where unavailable)."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
-                if line.startswith("VmHWM"):
+                if line.startswith(key):
                     return int(line.split()[1]) / 1024
     except OSError:
         pass
     return float("nan")
+
+
+def vmhwm_mb() -> float:
+    """Peak resident memory of this process so far (``VmHWM``, MB; NaN where unavailable)."""
+    return _status_mb("VmHWM")
+
+
+def vmrss_mb() -> float:
+    """Current resident memory of this process (``VmRSS``, MB; NaN where unavailable)."""
+    return _status_mb("VmRSS")
 
 
 def run_worker(script, args, label: dict, timeout: float, env=None) -> dict:

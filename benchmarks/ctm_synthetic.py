@@ -386,15 +386,6 @@ def run_fit(method, data, cfg):
     )
 
 
-def vmrss_mb() -> float:
-    """Current resident memory of this process (``VmRSS``, MB)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
-
-
 def memory_watch(path, limit_mb, every=5.0):
     """A daemon thread: every ``every`` s write the peak and current memory to ``path``;
     above ``limit_mb`` resident MB write that and end the process (exit code 3)."""
@@ -404,7 +395,7 @@ def memory_watch(path, limit_mb, every=5.0):
 
     def loop():
         while True:
-            rss = vmrss_mb()
+            rss = common.vmrss_mb()
             rec = dict(
                 vmhwm_mb=common.vmhwm_mb(),
                 vmrss_mb=rss,
@@ -460,10 +451,6 @@ def killed_row(res, cap):
         worker_seconds_before_kill=mem.get("seconds_since_start"),
     )
     return out
-
-
-def fmt_load(x):
-    return "/".join(f"{v:.1f}" for v in x) if x else "?"
 
 
 def verdict(r):
@@ -523,8 +510,8 @@ def report(results):
                 f(r["cap_seconds"], ".0f"),
                 r["stopped_by"],
                 f(r.get("neg_elbo_last"), ",.0f"),
-                fmt_load(r.get("load_before")),
-                fmt_load(r.get("load_after")),
+                ctm.fmt_load(r.get("load_before")),
+                ctm.fmt_load(r.get("load_after")),
             ]
         )
     rows.append(["unigram (training, add-0.5)", f(results["unigram_nll"], ".3f")] + [""] * 12)

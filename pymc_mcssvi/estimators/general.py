@@ -190,7 +190,8 @@ class GeneralEstimator:
             return pt.constant(0.0), [None] * len(states), [None] * len(states)
         n = self.n_draws if draws is None else draws.index.shape[0]
         W = pt.zeros((n, self.dim))
-        stein = {}  # segment -> (draws' deviations from the mean, variances)
+        stein = {}  # diagonal segment -> (draws' deviations from the mean, variances)
+        stein_rows = {}  # block segment -> (draws' deviations, covariance blocks)
         for s, (seg, st, idx) in enumerate(zip(self.tlm.segments, states, self.maps, strict=True)):
             eps = self._eps(seg)
             if draws is not None:
@@ -201,7 +202,7 @@ class GeneralEstimator:
                 var = covariance(st, parameterization)[:, 0, 0]
                 stein[s] = ((sampled - st.mean[None]).reshape((n, seg.dim)), var)
             elif self._stein_block_segment(seg):
-                stein[s] = (sampled - st.mean[None], covariance(st, parameterization))
+                stein_rows[s] = (sampled - st.mean[None], covariance(st, parameterization))
         average = _average if draws is None else _weighted_average(draws.weight, self.n_draws)
         if need_hessian and self.per_observation is not None:
             return self.per_observation.expectations(W, self.maps, average)
@@ -218,8 +219,8 @@ class GeneralEstimator:
             HV = average(vals[2])
         hess = []
         for s, idx in enumerate(self.maps):
-            if s in stein and self._stein_block_segment(self.tlm.segments[s]):
-                hess.append(_stein_blocks(vals[1][:, idx], *stein[s], average))
+            if s in stein_rows:
+                hess.append(_stein_blocks(vals[1][:, idx], *stein_rows[s], average))
                 continue
             if s in stein:
                 # Stein's identity: E[g(w) (w - m)] = H S for the diagonal S, entry by entry

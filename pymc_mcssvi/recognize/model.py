@@ -413,17 +413,9 @@ def _check_general_dim(tlm, point, structure=None, fixed=(), rebuild=None):
     gaussians = tlm.gaussians
     tlm.general_rows = separable_rows(gaussians, tlm.general_terms, tlm.model, point)
     read = general_reads(tlm)
-    tlm.general_stein_blocks = stein_blocks(tlm, read, fixed)
-    if tlm.general_stein_blocks:
-        names = ", ".join(repr(gaussians[i].name) for i in tlm.general_stein_blocks)
-        tlm.notes.append(
-            f"the Hessian blocks of {names} come from the gradients (Stein's identity): "
-            f"blocks of {MIN_STEIN_BLOCK} or more coordinates would take one Hessian-vector "
-            "product per coordinate. Pass cov={name: 'block'} to keep the products."
-        )
 
     def n_directions():
-        no_products = stein_diagonal(tlm, read) + tlm.general_stein_blocks
+        no_products = stein_diagonal(tlm, read) + stein_blocks(tlm, read, fixed)
         colors = hessian_colors(gaussians, tlm.general_rows, read, no_products)
         return int(colors[:, 0].max()) + 1
 
@@ -450,6 +442,13 @@ def _check_general_dim(tlm, point, structure=None, fixed=(), rebuild=None):
             )
     tlm.general_diagonal = stein_diagonal(tlm, read)
     tlm.general_stein_blocks = stein_blocks(tlm, read, fixed)
+    if tlm.general_stein_blocks:
+        names = ", ".join(repr(gaussians[i].name) for i in tlm.general_stein_blocks)
+        tlm.notes.append(
+            f"the Hessian blocks of {names} come from the gradients (Stein's identity): "
+            f"blocks of {MIN_STEIN_BLOCK} or more coordinates would take one Hessian-vector "
+            "product per coordinate. Pass cov={name: 'block'} to keep the products."
+        )
     if size > MAX_GENERAL_DIM:
         names = ", ".join(t.name for t in tlm.general_terms)
         raise UnsupportedModelError(

@@ -1048,6 +1048,44 @@ def report(results):
     return "\n".join(lines) + "\n"
 
 
+def plot_tag(tag, path=None):
+    """Held-out NLL against seconds for the cached ``--tag`` runs (K = 10 Reuters), with
+    ADVI's final NLL as a line: ``docs/_static/ctm_<tag>_nll_vs_time.png``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = Path(path or common.REPO_ROOT / "docs" / "_static" / f"ctm_{tag}_nll_vs_time.png")
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    advi_final = None
+    for name in METHODS:
+        js = CACHE / f"ctm_{tag}_{name}.json"
+        if not js.exists():
+            continue
+        r = json.loads(js.read_text())
+        if not r.get("curve"):
+            continue
+        t = [c["seconds"] for c in r["curve"]]
+        v = [c["nll"] for c in r["curve"]]
+        ax.plot(t, v, marker=".", label=f"{name} ({r['iterations']} it.)")
+        if name == "advi":
+            advi_final = r["nll"]
+    if advi_final is not None:
+        ax.axhline(advi_final, color="grey", ls="--", lw=0.8, label=f"ADVI final {advi_final:.3f}")
+    ax.set_xscale("log")
+    ax.set_xlabel("seconds (compilation included)")
+    ax.set_ylabel("held-out per-word NLL")
+    ax.set_title(f"CTM, Reuters, K = 10 (--tag {tag})")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    common.log(f"wrote {path}")
+    return path
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true")
@@ -1101,6 +1139,11 @@ def main(argv=None):
     p.add_argument("--sdsvi-n", type=int, default=None)
     p.add_argument("--advi-n", type=int, default=None)
     p.add_argument("--notes", default="")
+    p.add_argument(
+        "--plot-tag",
+        default=None,
+        help="only plot the cached runs of this --tag (NLL against seconds) into docs/_static",
+    )
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--task", default=None, help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help=argparse.SUPPRESS)
@@ -1109,6 +1152,9 @@ def main(argv=None):
     global K
     K = args.K
     common.set_run_mode("quick" if args.quick else "full")
+    if args.plot_tag:
+        plot_tag(args.plot_tag)
+        return
     if args.worker:
         cfg = json.loads(args.cfg)
         K = cfg["K"]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import logging
+import os
 import warnings
 
 import numpy as np
@@ -35,7 +36,9 @@ from pymc_mcssvi.estimators.quadrature import softplus_of_nonpositive
 from pymc_mcssvi.families.gaussian import broadcast_products_as_matmul
 
 __all__ = [
+    "BLAS_THREADS_BLOCK",
     "BLAS_THREADS_WORK",
+    "blas_threads_for",
     "COMPILE_WORK_THRESHOLD",
     "JAX_FALLBACK_COMPILE_WORK",
     "NUMBA_COMPILE_WORK_THRESHOLD",
@@ -52,6 +55,12 @@ logger = logging.getLogger("pymc_mcssvi")
 
 #: Below this many estimated flops per iteration BLAS runs on one thread.
 BLAS_THREADS_WORK = 5e8
+#: ... and below this dimension of q's largest block: several BLAS threads pay only for
+#: single calls of a few hundred dimensions (a block's factorization). Batched small
+#: products and thin matrices are slower with them: a 252-coordinate topic model's step
+#: took 0.49 s on one OpenBLAS thread and 5.5 s on two, a 20,000 x 500 logistic
+#: regression's 0.52 s and 1.08 s (2-core machine, other work running).
+BLAS_THREADS_BLOCK = 256
 #: Estimated flops per iteration (without the blocks' factorizations) above which
 #: ``backend=None`` compiles the step with JAX: from there JAX's 2.5-6x faster iterations
 #: repay its 4-8 s of set-up within about 17 iterations (docs/benchmarks.md).
@@ -90,6 +99,38 @@ def choose_backend(work_without_linear_algebra: float) -> str:
     if jax_available():
         return "jax" if work_without_linear_algebra > COMPILE_WORK_THRESHOLD else "python"
     return "numba" if work_without_linear_algebra > NUMBA_COMPILE_WORK_THRESHOLD else "python"
+
+
+def blas_threads_for(work: float, largest_block: int, load=None, cpus=None) -> int | None:
+    """BLAS threads of a fit with ``blas_threads=None``: 1, or ``None`` (BLAS's own
+    choice, every core).
+
+    Several threads are left to BLAS only when one iteration is large (at least
+    :data:`BLAS_THREADS_WORK` estimated flops), q has a block of
+    :data:`BLAS_THREADS_BLOCK` or more dimensions (single LAPACK calls large enough to
+    share), and a core is idle: a 1-minute ``load`` average (default
+    :func:`os.getloadavg`) at most ``cpus - 1`` (default :func:`os.cpu_count`).
+    Otherwise OpenBLAS's threads spin against each other or against other work for
+    small calls, which cost 2-10x per iteration in measurements on 2 cores.
+
+    Examples
+    --------
+    >>> blas_threads_for(1e10, 2, load=0.0, cpus=2)  # many small blocks: one thread
+    1
+    >>> blas_threads_for(1e10, 1000, load=0.0, cpus=2) is None  # a large block, idle cores
+    True
+    >>> blas_threads_for(1e10, 1000, load=3.0, cpus=2)  # the cores are busy
+    1
+    """
+    if work < BLAS_THREADS_WORK or largest_block < BLAS_THREADS_BLOCK:
+        return 1
+    cpus = (os.cpu_count() or 1) if cpus is None else cpus
+    if load is None:
+        try:
+            load = os.getloadavg()[0]
+        except OSError:  # not available on this platform
+            load = 0.0
+    return None if load <= cpus - 1 else 1
 
 
 def fallback_backend(work: float) -> str:

@@ -37,9 +37,9 @@ from pymc_mcssvi.algorithms.sdsvi import SDSVIStep
 from pymc_mcssvi.algorithms.state import SharedState, tree_map
 from pymc_mcssvi.backend import compile as compile_module
 from pymc_mcssvi.backend.compile import (
-    BLAS_THREADS_WORK,
     TracedOnFirstCall,
     UpgradingStep,
+    blas_threads_for,
     choose_backend,
     compile_step,
     fallback_backend,
@@ -614,11 +614,12 @@ class StructuredVI(Inference):
         The linear algebra of small and medium problems (blocks of a few hundred
         dimensions) is slower with several BLAS threads than with one: the threads'
         start-up and spinning cost more than they save. ``None`` picks one thread
-        below :data:`~pymc_mcssvi.backend.compile.BLAS_THREADS_WORK` flops per
-        iteration and leaves BLAS alone above.
+        unless an iteration is large, q has a block of a few hundred dimensions and a
+        core is idle (:func:`~pymc_mcssvi.backend.compile.blas_threads_for`).
         """
         if blas_threads is None:
-            blas_threads = 1 if self.work_estimate() < BLAS_THREADS_WORK else None
+            largest = max((seg.k for seg in self.tlm.segments), default=0)
+            blas_threads = blas_threads_for(self.work_estimate(), largest)
         if blas_threads is None:
             return contextlib.nullcontext()
         return threadpool_limits(limits=int(blas_threads), user_api="blas")
@@ -720,8 +721,10 @@ class StructuredVI(Inference):
             when JAX is not installed) for large ones, see :meth:`choose_backend`.
         blas_threads : int, optional
             Threads of BLAS/LAPACK during the fit (the iterations and the re-fits
-            after them); ``None`` uses one thread for small and medium problems
-            (faster) and leaves larger ones alone.
+            after them); ``None`` uses one thread unless an iteration is large, q has
+            a block of a few hundred dimensions and a core is idle (see
+            :func:`~pymc_mcssvi.backend.compile.blas_threads_for`): several threads
+            are slower for many small products, and on busy cores.
 
         diagnose : bool or "auto"
             PSIS diagnosis of the fitted q against the model's joint density

@@ -32,6 +32,7 @@ from pymc_mcssvi.recognize.graph import (
     as_float,
     depends_on_any,
     evaluate_static,
+    gather_index,
     remove_checks,
     shape64,
 )
@@ -323,7 +324,55 @@ def _recognize(model, cov, bound, inner, n_inner) -> TwoLevelModel:
 
         fixed = _user_structured(cov, gaussians)
         _check_general_dim(tlm, roles.initial_point, structure, fixed, rebuild)
+        if minibatch:
+            _check_rows_of_a_batch(tlm, model)
     return tlm
+
+
+def _check_rows_of_a_batch(tlm, model) -> None:
+    """Refuse a Gaussian global with one row per row of a ``pm.Minibatch`` batch.
+
+    A CTM written with ``pm.Minibatch`` documents and ``eta`` of shape
+    ``(batch_size, K)`` pairs row ``i`` of ``eta`` with a different document in every
+    batch: its q would average over documents, a silently wrong fit (and the
+    likelihood's ``total_size`` scaling would count each document ``N / batch_size``
+    times). Such a global is one whose rows the general terms never couple
+    (:attr:`general_rows`) and whose leading dimension is a minibatched observed
+    variable's number of rows.
+    """
+    batches = {}
+    for obs in model.observed_RVs:
+        if not isinstance(obs.owner.op, MinibatchRandomVariable):
+            continue
+        rows = obs.owner.inputs[0].type.shape[:1]
+        if rows and rows[0] is not None:
+            batches.setdefault(int(rows[0]), obs.name)
+    if not batches:
+        return
+    nodes = io_toposort(
+        list(graph_inputs([t.logp for t in tlm.general_terms])), [t.logp for t in tlm.general_terms]
+    )
+    for gid in tlm.general_rows:
+        g = tlm.gaussians[gid]
+        if not (len(g.shape) and int(g.shape[0]) in batches):
+            continue
+        # read through a gather (group effects eta[group]) its rows are groups, not rows
+        direct = any(
+            g.value in node.inputs
+            and not (node.inputs[0] is g.value and gather_index(node) is not None)
+            for node in nodes
+        )
+        if direct:
+            obs = batches[int(g.shape[0])]
+            raise UnsupportedModelError(
+                g.name,
+                f"it has one row per row of the pm.Minibatch batch of {obs!r} "
+                f"({int(g.shape[0])}), so each iteration would pair its rows with other "
+                "documents (rows): per-row latent variables cannot be fitted from minibatches",
+                f"fit all the rows at once: pass the full data instead of pm.Minibatch and "
+                f"give {g.name!r} one row per row of the data (the step's memory stays "
+                "bounded: it is reduced chunk by chunk)",
+            )
 
 
 def _user_structured(cov, gaussians) -> set[int]:

@@ -127,3 +127,35 @@ def test_spellings_recover_separated_topics(topics, doc, likelihood):
     approx = pm.fit(n=150, method="hmcssvi", model=m, progressbar=False, random_seed=0)
     assert np.all(np.isfinite(approx.hist))
     assert _topic_recovery(approx, beta_true) > 0.95
+
+
+def test_document_logits_of_a_minibatch_are_refused():
+    """``eta`` with one row per row of a ``pm.Minibatch`` batch would pair its rows with
+    other documents in every batch (a silently wrong fit): refused, naming ``eta``. The
+    same sizes read through a gather (``eta[group]``: rows are groups) are accepted."""
+    from pymc_mcssvi import UnsupportedModelError, describe
+
+    counts, _, _ = _corpus(D=40, V=12, K=3, n=30)
+    B, K = 10, 3
+    Cb, Nb = pm.Minibatch(counts.astype("float64"), counts.sum(1).astype("float64"), batch_size=B)
+    with pm.Model() as m:
+        eta = pm.Normal("eta", 0, 1, shape=(B, K - 1))
+        lb = pm.Normal("logit_beta", 0, 1, shape=(K, counts.shape[1]))
+        theta = pm.math.softmax(pt.concatenate([eta, pt.zeros((B, 1))], axis=1), axis=-1)
+        p = theta @ pm.math.softmax(lb, axis=-1)
+        pm.Multinomial("w", n=Nb, p=p, observed=Cb, total_size=counts.shape)
+    with pytest.raises(UnsupportedModelError, match="'eta'.*pm.Minibatch batch of 'w'"):
+        describe(m)
+
+    group = np.arange(counts.shape[0]) % B  # B groups of documents
+    Cb, Nb, gb = pm.Minibatch(
+        counts.astype("float64"), counts.sum(1).astype("float64"), group, batch_size=B
+    )
+    with pm.Model() as grouped:
+        eta = pm.Normal("eta", 0, 1, shape=(B, K - 1))
+        lb = pm.Normal("logit_beta", 0, 1, shape=(K, counts.shape[1]))
+        e = eta[gb]
+        theta = pm.math.softmax(pt.concatenate([e, pt.zeros((B, 1))], axis=1), axis=-1)
+        p = theta @ pm.math.softmax(lb, axis=-1)
+        pm.Multinomial("w", n=Nb, p=p, observed=Cb, total_size=counts.shape)
+    assert "eta" in str(describe(grouped))

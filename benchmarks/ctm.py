@@ -481,7 +481,11 @@ def run_pymc(method, data, cfg):
         nll_draws=sd["nll"],
         curve=curve,
         vmhwm_mb=vm,
-        stopped_by="time cap" if seconds > cfg["max_seconds"] else "iteration cap",
+        stopped_by="time cap"
+        if seconds > cfg["max_seconds"]
+        else "iteration cap"
+        if iters >= n
+        else "the fit's convergence stop",
     )
 
 

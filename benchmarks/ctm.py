@@ -601,7 +601,10 @@ def worker(method, data, cfg):
             return res
         res.update(run_tomotopy(data, cfg))
     else:
-        res.update(run_pymc(method, data, cfg))
+        try:
+            res.update(run_pymc(method, data, cfg))
+        except Exception as e:  # noqa: BLE001  (a refused model: its message in the row)
+            res["error"] = f"{type(e).__name__}: {e}"
     res["vmhwm_mb_end"] = common.vmhwm_mb()
     return res
 

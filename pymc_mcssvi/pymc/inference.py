@@ -69,11 +69,17 @@ from pymc_mcssvi.pymc.fit_warnings import (
 from pymc_mcssvi.pymc.full_data import full_data_model
 from pymc_mcssvi.pymc.leaves import LeafGroup, initial_leaf_params
 from pymc_mcssvi.pymc.locals import LocalGroup, initial_local_params
-from pymc_mcssvi.pymc.start import data_scaled_factors, evaluation_error, initial_q
+from pymc_mcssvi.pymc.start import (
+    SYMMETRY_JITTER,
+    data_scaled_factors,
+    evaluation_error,
+    initial_q,
+)
 from pymc_mcssvi.recognize.analysis import local_scale_hypers
 from pymc_mcssvi.recognize.ir import Segment
-from pymc_mcssvi.recognize.model import check_data, recognize
+from pymc_mcssvi.recognize.model import check_data, general_reads, recognize
 from pymc_mcssvi.recognize.rules import MIXED_BILINEAR
+from pymc_mcssvi.recognize.separable import flat_offsets
 
 __all__ = ["HMCSSVI", "MCSSVI", "SDSVI", "StructuredVI"]
 
@@ -200,6 +206,14 @@ class StructuredVI(Inference):
         factorizations of millions of ratings, the Monte Carlo path's draws). This
         option forces every such likelihood into chunks of this many observations
         (the same results up to rounding); ``None`` chooses by the memory budget.
+    n_starts : int
+        Full-batch fits: run the fit from this many starts and keep the one with the
+        best bound (the same draws, so the bounds compare). The first start is the
+        usual one; the others move the globals whose rows the likelihood couples (a
+        topic model's topic-word logits, a matrix factorization's factors) by
+        ``0.3 N(0, 1)`` noise. Topic models and other mixtures have local optima: a
+        50-document CTM's default fit reached NUTS's mode in 3 of 6 seeds. Costs up to
+        ``n_starts`` fits; ``approx.start_bounds`` holds each start's final -ELBO.
     polish : bool
         ``pm.Minibatch`` fits: after the stochastic steps, go on from the iterates'
         average with full-data steps (the same model on all rows, the full-batch
@@ -244,6 +258,7 @@ class StructuredVI(Inference):
         hyper_marginal="profile",
         chunk_size=None,
         polish=True,
+        n_starts=1,
     ):
         #: The constructor's options (what :func:`~pymc_mcssvi.pymc.persist.save` records
         #: to build the same inference again).
@@ -292,6 +307,11 @@ class StructuredVI(Inference):
             minibatch = self.stochastic = self.tlm.minibatch or row_subsample is not None
             if fixed_draws is None:
                 fixed_draws = not minibatch
+            if n_starts > 1 and minibatch:
+                raise ValueError(
+                    "n_starts compares the starts' bounds, which a pm.Minibatch or row_subsample "
+                    "fit only estimates: use n_starts=1 (or fit the full data)"
+                )
             self.algorithm = self._make_algorithm(mean_optimizer, factor_optimizer)
             seed = (
                 0
@@ -367,6 +387,7 @@ class StructuredVI(Inference):
             #: The fit's explicit state (:class:`~pymc_mcssvi.algorithms.state.KernelState`)
             #: in the shared variables the compiled step updates.
             self.store = SharedState(self.kernel.init_state(q0.means, factors), "fit")
+            self._start = (q0.means, factors)
             warn_uncoupled_hypers(self.tlm, self.kernel)
             warn_split_crossed(self.tlm, self.kernel)
             if linear_response is None and local_scale_hypers(self.tlm):
@@ -787,7 +808,8 @@ class StructuredVI(Inference):
             # raises DivergenceError): NumPy's floating-point warnings are noise here.
             np.errstate(all="ignore"),
         ):
-            result = self._run_loop(
+            run = functools.partial(
+                self._run_loop,
                 step,
                 total=total,
                 auto_stop=auto_stop,
@@ -800,6 +822,11 @@ class StructuredVI(Inference):
                 progressbar=progressbar,
                 progressbar_theme=progressbar_theme,
             )
+            n_starts = self.options["n_starts"]
+            if n_starts > 1 and start_iter == 0 and not self.stochastic:
+                result = self._best_of_starts(run, n_starts)
+            else:
+                result = run()
         scores = result.scores
         if start_iter == 0:
             # iterations spent on a start whose bound was not finite (then narrowed, see
@@ -859,6 +886,69 @@ class StructuredVI(Inference):
         approx = self.finish(include_transformed, blas_threads)
         approx.diagnosis = diagnostics.after_fit(approx, diagnose, self.random_seed)
         return approx
+
+    def _best_of_starts(self, run, n_starts):
+        """``run()`` from ``n_starts`` starts (see ``n_starts``), the state with the best
+        bound kept; each start's final -ELBO in ``approx.start_bounds``."""
+        if not self._coupled_globals():
+            warnings.warn(
+                f"n_starts={n_starts}: the model has no Gaussian global whose rows its likelihood "
+                "couples (topics, factors) for the other starts to move; one start is run",
+                UserWarning,
+                stacklevel=4,
+            )
+            return run()
+        best, bounds = None, []
+        for j in range(n_starts):
+            if j:
+                self.store.set(self.kernel.init_state(self._moved_start(j), self._start[1]))
+                self._rejections = fit_loop.Rejections(
+                    self.kernel, self.store, self.model, self.random_seed
+                )
+            result = run()
+            bound = float(self.store.symbolic.bound.get_value())
+            bounds.append(-bound)
+            if result.error is not None:
+                best = (bound, self.store.get(), result)
+                break
+            if best is None or bound > best[0]:
+                best = (bound, self.store.get(), result)
+        self.store.set(best[1])
+        self.approx.start_bounds = np.asarray(bounds)
+        logger.info("starts' -ELBO: %s; kept %.6g", np.round(bounds, 3), -best[0])
+        return best[2]
+
+    def _coupled_globals(self) -> set:
+        """Ids of the Gaussian globals the other starts move: a matrix factorization's
+        factors and the matrices whose rows the general terms couple (topics)."""
+        tlm = self.tlm
+        moved = {gid for term in tlm.bilinear_terms for gid in (term.left, term.right)}
+        if tlm.general_terms:
+            moved |= {
+                gid
+                for gid in general_reads(tlm)
+                if gid not in tlm.general_rows and len(tlm.gaussians[gid].shape) >= 2
+            }
+        return moved
+
+    def _moved_start(self, j):
+        """The start's means with :meth:`_coupled_globals` moved by ``0.3 N(0, 1)`` noise
+        (seeded by ``random_seed`` and ``j``)."""
+        tlm = self.tlm
+        moved = self._coupled_globals()
+        seed = (
+            np.random.SeedSequence(self.random_seed).entropy if self.random_seed is not None else 0
+        )
+        rng = np.random.default_rng([int(seed) % 2**32, j])
+        offsets = flat_offsets(tlm.gaussians)
+        means = [np.array(m, dtype="float64") for m in self._start[0]]
+        flat = np.zeros(int(offsets[-1]))
+        for m, idx in zip(means, self.flat_maps, strict=True):
+            flat[idx] = m
+        for gid in sorted(moved):
+            o, n = int(offsets[gid]), tlm.gaussians[gid].size
+            flat[o : o + n] += SYMMETRY_JITTER * rng.standard_normal(n)
+        return [flat[idx] for idx in self.flat_maps]
 
     def _run_loop(self, step, **kwargs):
         """:func:`~pymc_mcssvi.pymc.fit_loop.run`; a first step that raises (shapes that
@@ -1088,7 +1178,7 @@ def check_options(options: dict, model) -> None:
             raise ValueError(
                 f"{key} must be one of {', '.join(map(repr, allowed))}, got {options[key]!r}"
             )
-    for key in ("n_points", "n_draws", "n_inner", "n_rayleigh_nodes"):
+    for key in ("n_points", "n_draws", "n_inner", "n_rayleigh_nodes", "n_starts"):
         if not _is_positive_int(options[key]):
             raise ValueError(f"{key} must be a positive integer, got {options[key]!r}")
     if options["chunk_size"] is not None and not _is_positive_int(options["chunk_size"]):

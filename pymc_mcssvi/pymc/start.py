@@ -32,6 +32,7 @@ __all__ = [
     "START_JITTER",
     "START_NONCONCAVE_PREDICTOR_SD",
     "START_PREDICTOR_SD",
+    "SYMMETRY_JITTER",
     "StartQ",
     "check_start",
     "data_scaled_factors",
@@ -58,6 +59,8 @@ MAX_START_SHRINKS = 3
 #: is not finite (``rho ** 0`` at ``rho = 0``).
 MAX_START_JITTERS = 3
 START_JITTER = 0.5
+#: sd of the noise that moves symmetric starts apart (matrix factors at 0, equal topics)
+SYMMETRY_JITTER = 0.3
 
 
 class StartQ:
@@ -102,7 +105,7 @@ def initial_q(
         rng = np.random.default_rng(0 if random_seed is None else random_seed)
         for gid in broken:
             o, n = offsets[gid], tlm.gaussians[gid].size
-            flat[o : o + n] = flat[o : o + n] + 0.3 * rng.standard_normal(n)
+            flat[o : o + n] = flat[o : o + n] + SYMMETRY_JITTER * rng.standard_normal(n)
     means, factors = [], []
     for seg, idx in zip(tlm.segments, maps, strict=True):
         means.append(flat[idx])

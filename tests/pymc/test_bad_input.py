@@ -651,6 +651,7 @@ def test_multinomial_data_of_the_wrong_length_is_named():
         ("start", {"nope": 1.0}),
         ("backend", "cuda"),
         ("blas_threads", 0),
+        ("n_starts", 0),
         ("callbacks", [5]),
         ("n", True),
     ],

@@ -16,14 +16,11 @@ and ``.md`` (also printed).
 
 from __future__ import annotations
 
-import json
 import os
-import platform
-import subprocess
 import time
 import warnings
-from pathlib import Path
 
+import common
 import numpy as np
 import pymc as pm
 import pytensor.tensor as pt
@@ -31,7 +28,7 @@ import pytensor.tensor as pt
 import pymc_mcssvi
 from pymc_mcssvi.backend.compile import blas_threads_for
 
-OUT = Path(__file__).parent / "results"
+OUT = common.REPO_ROOT / "benchmarks" / "results"
 ITERS = 8
 
 
@@ -99,32 +96,49 @@ def main():
     warnings.filterwarnings("ignore")
     rows = [measure("CTM, 50 documents, V = 50, K = 3", topic_model)]
     rows.append(measure("logistic regression, 20,000 x 500", logistic))
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=OUT
-    ).stdout.strip()
+    info = common.machine_info()
     meta = {
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} logical CPUs",
-        "commit": commit,
+        "date": common.today(),
+        "machine": f"{info.get('cpu_model') or info['machine']}, {info['cpu_count']} logical CPUs",
+        **common.code_state(),
     }
-    OUT.mkdir(exist_ok=True)
-    (OUT / "blas_threads.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    lines = [
-        f"Measured {meta['date']} on {meta['machine']}, commit {meta['commit']}.",
-        "",
-        "| model | backend | estimated flops/it | largest block | 1 thread (s/it) | "
-        "2 threads (s/it) | ratio | default (s/it) | default's choice | load before | load after |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+    common.save_json({"meta": meta, "rows": rows}, OUT / "blas_threads.json")
+    headers = [
+        "model",
+        "backend",
+        "estimated flops/it",
+        "largest block",
+        "1 thread (s/it)",
+        "2 threads (s/it)",
+        "ratio",
+        "default (s/it)",
+        "default's choice",
+        "load before",
+        "load after",
     ]
+    table = []
     for r in rows:
         choice = "BLAS's own" if r["default_choice"] is None else f"{r['default_choice']} thread"
-        lb = "/".join(f"{x:.1f}" for x in r["load_before"])
-        la = "/".join(f"{x:.1f}" for x in r["load_after"])
-        lines.append(
-            f"| {r['model']} | {r['backend']} | {r['work']:.2g} | {r['largest_block']} | "
-            f"{r['one_thread']:.3f} | {r['two_threads']:.3f} | "
-            f"{r['two_threads'] / r['one_thread']:.1f}x | {r['default']:.3f} | {choice} | {lb} | {la} |"
+        table.append(
+            [
+                r["model"],
+                r["backend"],
+                f"{r['work']:.2g}",
+                r["largest_block"],
+                f"{r['one_thread']:.3f}",
+                f"{r['two_threads']:.3f}",
+                f"{r['two_threads'] / r['one_thread']:.1f}x",
+                f"{r['default']:.3f}",
+                choice,
+                "/".join(f"{x:.1f}" for x in r["load_before"]),
+                "/".join(f"{x:.1f}" for x in r["load_after"]),
+            ]
         )
+    lines = [
+        f"Measured {meta['date']} on {meta['machine']}, commit {meta.get('commit', '?')}.",
+        "",
+        common.markdown_table(headers, table),
+    ]
     text = "\n".join(lines) + "\n"
     (OUT / "blas_threads.md").write_text(text)
     print(text)

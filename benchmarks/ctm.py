@@ -83,6 +83,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 import warnings
@@ -96,19 +97,7 @@ import common  # noqa: E402
 
 RESULTS = common.REPO_ROOT / "benchmarks" / "results"
 CACHE = common.REPO_ROOT / "benchmarks" / ".cache"
-import os  # noqa: E402
 
-METHODS = (
-    "hmcssvi",
-    "hmcssvi_meanfield",
-    "hmcssvi_adagrad",
-    "sdsvi",
-    "hmcssvi_token",
-    "hmcssvi_jensen",
-    "hmcssvi_jensen_counts",
-    "advi",
-    "tomotopy",
-)
 PLUGIN = (
     "hmcssvi",
     "hmcssvi_meanfield",
@@ -118,6 +107,7 @@ PLUGIN = (
     "hmcssvi_jensen",
     "hmcssvi_jensen_counts",
 )
+METHODS = (*PLUGIN, "advi", "tomotopy")
 #: methods fitted on the token-level spelling (:func:`build_model`)
 TOKEN = ("hmcssvi_token", "hmcssvi_jensen")
 SWEEP_K = (5, 10, 20, 50)

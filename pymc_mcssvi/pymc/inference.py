@@ -890,7 +890,8 @@ class StructuredVI(Inference):
     def _best_of_starts(self, run, n_starts):
         """``run()`` from ``n_starts`` starts (see ``n_starts``), the state with the best
         bound kept; each start's final -ELBO in ``approx.start_bounds``."""
-        if not self._coupled_globals():
+        moved = self._coupled_globals()
+        if not moved:
             warnings.warn(
                 f"n_starts={n_starts}: the model has no Gaussian global whose rows its likelihood "
                 "couples (topics, factors) for the other starts to move; one start is run",
@@ -901,7 +902,7 @@ class StructuredVI(Inference):
         best, bounds = None, []
         for j in range(n_starts):
             if j:
-                self.store.set(self.kernel.init_state(self._moved_start(j), self._start[1]))
+                self.store.set(self.kernel.init_state(self._moved_start(j, moved), self._start[1]))
                 self._rejections = fit_loop.Rejections(
                     self.kernel, self.store, self.model, self.random_seed
                 )
@@ -931,19 +932,17 @@ class StructuredVI(Inference):
             }
         return moved
 
-    def _moved_start(self, j):
-        """The start's means with :meth:`_coupled_globals` moved by ``0.3 N(0, 1)`` noise
-        (seeded by ``random_seed`` and ``j``)."""
+    def _moved_start(self, j, moved):
+        """The start's means with the globals ``moved`` (:meth:`_coupled_globals`) moved by
+        ``0.3 N(0, 1)`` noise (seeded by ``random_seed`` and ``j``)."""
         tlm = self.tlm
-        moved = self._coupled_globals()
         seed = (
             np.random.SeedSequence(self.random_seed).entropy if self.random_seed is not None else 0
         )
         rng = np.random.default_rng([int(seed) % 2**32, j])
         offsets = flat_offsets(tlm.gaussians)
-        means = [np.array(m, dtype="float64") for m in self._start[0]]
         flat = np.zeros(int(offsets[-1]))
-        for m, idx in zip(means, self.flat_maps, strict=True):
+        for m, idx in zip(self._start[0], self.flat_maps, strict=True):
             flat[idx] = m
         for gid in sorted(moved):
             o, n = int(offsets[gid]), tlm.gaussians[gid].size

@@ -34,7 +34,13 @@ from pytensor.graph.replace import graph_replace
 from pymc_mcssvi.algorithms.arrow import Arrow, arrow_solve, arrow_view, schur_factor
 from pymc_mcssvi.algorithms.state import ArrowState, KernelState, QState, StepInfo, tree_map
 from pymc_mcssvi.estimators.chunks import chunk_layout
-from pymc_mcssvi.families.gaussian import GaussianBlocks, bmv, cholesky, precision
+from pymc_mcssvi.families.gaussian import (
+    GaussianBlocks,
+    bmv,
+    cholesky,
+    precision,
+    projected_hessian,
+)
 from pymc_mcssvi.terms.base import Chunk, add_to
 
 __all__ = ["MAX_COUPLED_HYPERS", "StepKernel"]
@@ -291,7 +297,16 @@ class StepKernel:
         value, phase_values = outs[0], pt.stack(outs[1:n_values])
         grads = outs[n_values : n_values + nseg]
         hessians = outs[n_values + nseg : n_values + 2 * nseg]
-        xs = outs[n_values + 2 * nseg :]
+        indefinite = self.bound.indefinite_segments
+        xs = outs[n_values + 2 * nseg : len(outs) - len(indefinite)]
+        if indefinite:
+            # the indefinite part of H (general terms) is replaced by its projection
+            hessians = list(hessians)
+            for s, part in zip(indefinite, outs[len(outs) - len(indefinite) :], strict=True):
+                # a non-finite part leaves H non-finite (the candidate is rejected below);
+                # the eigendecomposition gets finite numbers
+                part = pt.switch(pt.isfinite(part), part, 0.0)
+                hessians[s] = projected_hessian(hessians[s], part)
         if rgrads is not None:
             for x in rgrads:
                 finite = finite & pt.isfinite(x)
@@ -465,7 +480,7 @@ class StepKernel:
                 for c, b in zip(crosses, state.arrow.X, strict=True)
             ]
             xs = [x for x in xs if x is not None]
-        outs = [*stats, *xs]
+        outs = [*stats, *xs, *(h for h in ev.indefinite or [] if h is not None)]
         if self.rayleighs is not None:
             outs = self.rayleighs.evaluate(state.rayleigh, outs, n_values=n_values, kl=whole)
         finite = pt.isfinite(outs[0])

@@ -20,6 +20,7 @@ up (:meth:`StructuredBound.chunk_sizes`; the step kernel reduces them).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import pytensor.tensor as pt
@@ -32,7 +33,7 @@ from pymc_mcssvi.families.gaussian import GaussianBlocks, covariance, entropy
 from pymc_mcssvi.recognize.graph import evaluate_static
 from pymc_mcssvi.recognize.layout import arrow_head
 from pymc_mcssvi.terms.affine import AffineTerm
-from pymc_mcssvi.terms.base import EvalOptions, QView, Term, TermStats
+from pymc_mcssvi.terms.base import EvalOptions, QView, Term, TermStats, add_to
 from pymc_mcssvi.terms.bilinear import BilinearTerms
 from pymc_mcssvi.terms.constant import ConstantTerm
 from pymc_mcssvi.terms.general import MonteCarloTerm
@@ -61,6 +62,10 @@ class BoundEvaluation:
     entropy: pt.TensorVariable
     phase_values: list = None
     crosses: list = None
+    #: Per segment, the part of ``hessians`` from the terms whose expected Hessian may
+    #: be indefinite, for the segments of :attr:`StructuredBound.indefinite_segments`
+    #: (``None`` for the others, and without such terms).
+    indefinite: list = None
 
 
 class StructuredBound:
@@ -145,6 +150,16 @@ class StructuredBound:
             terms.append(BilinearTerms(self.bilinear))
         terms += [ConstantTerm(c) for c in tlm.constant_terms]
         return terms
+
+    @functools.cached_property
+    def indefinite_segments(self) -> tuple[int, ...]:
+        """Segments read by a term whose expected Hessian may be indefinite (the
+        general terms'): their part of ``H`` is returned apart
+        (:attr:`BoundEvaluation.indefinite`) for the step to project."""
+        if not any(t.indefinite for t in self.terms):
+            return ()
+        seg_of = {gid: s for s, seg in enumerate(self.tlm.segments) for gid in seg.members}
+        return tuple(sorted({seg_of[gid] for gid in self.general.reads}))
 
     @property
     def n_phases(self) -> int:
@@ -349,7 +364,23 @@ class StructuredBound:
             raise ValueError("a chunk restricts one term")
         stats = TermStats.zero(nseg)
         for term in selected:
-            stats = term.accumulate(q, stats, opts, chunk)
+            if not term.indefinite:
+                stats = term.accumulate(q, stats, opts, chunk)
+        apart = TermStats.zero(nseg)
+        for term in selected:
+            if term.indefinite:
+                apart = term.accumulate(q, apart, opts, chunk)
+        indefinite = None
+        if self.indefinite_segments and need_derivatives and need_hessian:
+            indefinite = [
+                None
+                if s not in self.indefinite_segments
+                else _zeros_like(st.factor)
+                if h is None
+                else h
+                for s, (h, st) in enumerate(zip(apart.hessians, states, strict=True))
+            ]
+        stats = _merged(stats, apart)
         expected = stats.value if stats.value is not None else pt.constant(0.0)
         ent = (
             pt.sum([entropy(st, self.parameterization) for st in states])
@@ -366,9 +397,13 @@ class StructuredBound:
         ]
         base = expected + ent if with_entropy else expected
         if self.n_phases == 1:
-            return BoundEvaluation(base, grads, hessians, expected, ent, [base], stats.crosses)
+            return BoundEvaluation(
+                base, grads, hessians, expected, ent, [base], stats.crosses, indefinite
+            )
         if not stats.phase_values:
-            return BoundEvaluation(base, grads, hessians, expected, ent, [base, base])
+            return BoundEvaluation(
+                base, grads, hessians, expected, ent, [base, base], indefinite=indefinite
+            )
         T_v, T_u = stats.phase_values
         phase = (
             [T_v, T_u]
@@ -379,7 +414,15 @@ class StructuredBound:
             ]
         )
         value = 0.5 * (phase[0] + phase[1])
-        return BoundEvaluation(value, grads, hessians, expected + 0.5 * (T_v + T_u), ent, phase)
+        return BoundEvaluation(
+            value,
+            grads,
+            hessians,
+            expected + 0.5 * (T_v + T_u),
+            ent,
+            phase,
+            indefinite=indefinite,
+        )
 
     @property
     def phase_segments(self):
@@ -400,6 +443,23 @@ def _static_if_constant(n):
         return pt.constant(int(pt.get_underlying_scalar_constant_value(n)), dtype="int64")
     except NotScalarConstantError:
         return n
+
+
+def _merged(a: TermStats, b: TermStats) -> TermStats:
+    """The sum of two :class:`TermStats` of the same segments."""
+    if not b.phase_values:
+        phases = a.phase_values
+    elif not a.phase_values:
+        phases = b.phase_values
+    else:
+        phases = tuple(x + y for x, y in zip(a.phase_values, b.phase_values, strict=True))
+    return TermStats(
+        add_to(a.value, b.value),
+        [add_to(x, y) for x, y in zip(a.grads, b.grads, strict=True)],
+        [add_to(x, y) for x, y in zip(a.hessians, b.hessians, strict=True)],
+        [add_to(x, y) for x, y in zip(a.crosses, b.crosses, strict=True)],
+        phases,
+    )
 
 
 def _zeros_like(x):

@@ -122,6 +122,8 @@ class GeneralEstimator:
         self.fixed = fixed
         self.seed = seed
         self.active = bool(tlm.general_terms)
+        #: ids of the Gaussian globals the general terms read
+        self.reads: set[int] = set()
         if not self.active:
             return
         w = pt.vector("w_flat", shape=(self.dim,))
@@ -132,7 +134,7 @@ class GeneralEstimator:
         grad = pt.grad(total, w)
         # one Hessian-vector product per color: coordinate k of every row of the
         # row-separable globals at once, and one per coordinate of the others
-        read = general_reads(tlm)
+        read = self.reads = general_reads(tlm)
         self._diagonal = tlm.general_diagonal
         no_products = tuple(self._diagonal) + self._blocks_stein
         self._color_of = hessian_colors(tlm.gaussians, tlm.general_rows, read, no_products)

@@ -62,6 +62,7 @@ __all__ = [
     "natural_step",
     "natural_step_gain",
     "precision",
+    "projected_hessian",
     "psd_projection",
     "sample",
 ]
@@ -316,6 +317,21 @@ def psd_projection(A):
     A = 0.5 * (A + pt.matrix_transpose(A))
     lam, V = pt.linalg.eigh(A)
     return (V * pt.maximum(lam, 0.0)[..., None, :]) @ pt.matrix_transpose(V)
+
+
+def projected_hessian(H, part):
+    """``H`` with its indefinite ``part`` replaced by the part's projection.
+
+    ``H`` is the expected Hessian of the log joint and ``part`` the share of it from
+    terms that need not be log-concave (:attr:`~pymc_mcssvi.terms.base.Term.indefinite`).
+    As in the paper's CTM update, ``P <- (1 - rho) P + rho (Sigma^-1 + Pi(-H_lik))``,
+    the projection ``Pi`` (:func:`psd_projection`) acts on the likelihood's part alone,
+    so the target precision is never below the concave part's (the prior's): a
+    direction in which the likelihood is locally convex neither lowers q's precision
+    nor makes it singular at ``rho = 1``. A negative semi-definite ``part`` is
+    unchanged (up to rounding).
+    """
+    return H - part - psd_projection(-part)
 
 
 def natural_step(

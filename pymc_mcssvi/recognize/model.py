@@ -192,6 +192,17 @@ def evaluation_failure(model) -> UnsupportedModelError | None:
                 "(X @ b needs as many entries in b as X has columns, and every data array "
                 "of a likelihood one row per observation)",
             )
+    for pot in model.potentials:
+        try:
+            model.compile_fn(pot, inputs=model.value_vars, on_unused_input="ignore")(point)
+        except Exception as err:  # noqa: BLE001  (any failure is the diagnosis)
+            return UnsupportedModelError(
+                pot.name,
+                "this Potential cannot be evaluated at the model's initial point "
+                f"({type(err).__name__}: {_first_line(err)})",
+                "check its indices and shapes (an index past the end of an axis, such as "
+                "a word index beyond the vocabulary, or arrays one row short)",
+            )
     return None
 
 

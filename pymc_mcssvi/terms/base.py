@@ -130,6 +130,10 @@ class Term:
     n_obs: int | None = None
     #: Whether the term reads the data (a likelihood) rather than q alone (a prior).
     data: bool = True
+    #: Whether the term's expected Hessian may be indefinite (a likelihood that need
+    #: not be log-concave in the globals, e.g. a mixture): the natural step then uses
+    #: its projection onto the negative semi-definite cone (paper, CTM section).
+    indefinite: bool = False
 
     def accumulate(self, q: QView, stats: TermStats, opts: EvalOptions, chunk=None) -> TermStats:
         """``stats`` plus this term's part (restricted to ``chunk`` when given)."""

@@ -20,6 +20,8 @@ class MonteCarloTerm(Term):
     """The general terms of a model, averaged over draws of q (see the module docstring)."""
 
     form = "general (Monte Carlo + autodiff)"
+    # a Potential, a mixture or a product of globals need not be log-concave
+    indefinite = True
 
     def __init__(self, estimator: GeneralEstimator):
         self.estimator = estimator

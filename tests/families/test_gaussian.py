@@ -12,6 +12,7 @@ from pymc_mcssvi.families.gaussian import (
     kl_to_gaussian,
     natural_step,
     precision,
+    projected_hessian,
     sample,
 )
 
@@ -106,3 +107,20 @@ def test_natural_step_projects_indefinite_precision(rng):
     new = natural_step(st, pt.as_tensor(np.zeros((1, 2))), pt.as_tensor(H), 0.5)
     L = new.factor.eval()[0]
     np.testing.assert_allclose(L @ L.T, 0.5 * np.eye(2) + 0.5 * want, atol=1e-12)
+
+
+@pytest.mark.parametrize("K", [1, 3])
+def test_projected_hessian_projects_only_the_indefinite_part(rng, K):
+    """``H = H_prior + H_lik``: only ``H_lik`` is projected (paper, CTM update), so
+    ``-H`` stays at least the prior's precision in every direction."""
+    prior = -_spd(rng, 4, K)
+    A = rng.normal(size=(4, K, K))
+    lik = 3.0 * (A + A.transpose(0, 2, 1))  # indefinite (positive directions too)
+    lik[0] = -_spd(rng, 1, K)[0]  # a negative definite block is left alone
+    out = projected_hessian(pt.as_tensor(prior + lik), pt.as_tensor(lik)).eval()
+    lam, V = np.linalg.eigh(lik)
+    want = prior + (V * np.minimum(lam, 0.0)[:, None, :]) @ V.transpose(0, 2, 1)
+    np.testing.assert_allclose(out, want, atol=1e-10)
+    np.testing.assert_allclose(out[0], (prior + lik)[0], atol=1e-10)
+    # -H - (-H_prior) is positive semi-definite
+    assert np.linalg.eigvalsh(prior - out).min() > -1e-10

@@ -14,7 +14,7 @@ import pymc as pm
 import pytensor.tensor as pt
 import pytest
 
-import pymc_mcssvi  # noqa: F401
+import pymc_mcssvi
 
 
 def _corpus(D=40, V=24, K=2, n=150, seed=0):
@@ -127,6 +127,22 @@ def test_spellings_recover_separated_topics(topics, doc, likelihood):
     approx = pm.fit(n=150, method="hmcssvi", model=m, progressbar=False, random_seed=0)
     assert np.all(np.isfinite(approx.hist))
     assert _topic_recovery(approx, beta_true) > 0.95
+
+
+def test_first_full_step_keeps_the_prior_precision():
+    """The likelihood of learned topics is not log-concave: at the start its expected
+    Hessian has positive directions. Projected as a whole (prior included), the rho = 1
+    candidate's precision was singular there (NaN means; on Reuters 7 rejected steps in
+    a row). The paper's projection acts on the likelihood's part alone: the candidate is
+    finite and its precision at least the prior's (logit_beta ~ N(0, 2): 1/4)."""
+    counts, _, _ = _corpus(D=40, V=24, K=3, n=150)
+    inference = pymc_mcssvi.HMCSSVI(model=_ctm(counts, 3), random_seed=0)
+    inference.fit(n=1, progressbar=False)
+    state = inference.store.get()
+    for mean, factor in zip(state.cand.means, state.cand.factors, strict=True):
+        assert np.all(np.isfinite(mean))
+        P = factor @ np.swapaxes(factor, -1, -2)
+        assert np.linalg.eigvalsh(P).min() >= 0.25 - 1e-9
 
 
 def test_document_logits_of_a_minibatch_are_refused():

@@ -2,6 +2,7 @@
 
 import numpy as np
 import pymc as pm
+import pytensor.tensor as pt
 import pytest
 
 import pymc_mcssvi
@@ -422,6 +423,24 @@ def test_thousands_of_hyperparameter_coordinates():
         assert inference.store.get().hyper.hess.shape == (0, 0)
         approx = inference.fit(n=4, progressbar=False)
     assert np.all(np.isfinite(approx.hist)) and approx.hist[-1] < approx.hist[0]
+
+
+def test_a_potential_indexing_past_the_vocabulary_is_named():
+    """A topic model's nonzero-count ``pm.Potential`` with a word index beyond the
+    vocabulary raised PyTensor's bare ``IndexError`` from inside recognition."""
+    rng = np.random.default_rng(0)
+    D, V = 6, 5
+    counts = rng.poisson(2, (D, V))
+    d, v = np.nonzero(counts)
+    v[0] = V + 3
+    with pm.Model():
+        eta = pm.Normal("eta", 0, 1, shape=(D, 1))
+        theta = pm.math.softmax(pt.concatenate([eta, pt.zeros((D, 1))], axis=1), axis=-1)
+        beta = pm.Dirichlet("beta", np.full(V, 0.5), shape=(2, V))
+        p = (theta[d] * beta[:, v].T).sum(-1)
+        pm.Potential("w", (counts[d, np.minimum(v, V - 1)] * pt.log(p)).sum())
+        with pytest.raises(UnsupportedModelError, match=r"'w'.*Potential.*IndexError.*index 8"):
+            pm.fit(n=2, method="hmcssvi", progressbar=False)
 
 
 @pytest.mark.parametrize("n", [5, 20])

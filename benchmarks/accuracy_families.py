@@ -534,6 +534,11 @@ def f2(x, spec=".2f"):
     return common.fmt(x, spec)
 
 
+def timed_row(family, name, res, *cells) -> list:
+    """A table row: family, method, wall seconds, peak MB, then ``cells``."""
+    return [family, name, f2(res.get("wall"), ".1f"), f2(peak_mb(res), ".0f"), *cells]
+
+
 def table_rows(fam_results: dict, quick: bool) -> list:
     rows = []
     for family in FAMILIES:
@@ -552,19 +557,7 @@ def table_rows(fam_results: dict, quick: bool) -> list:
                 continue
             warn = "; ".join(w[:160] for w in res.get("warnings", []) if "BLAS" not in w)
             if res.get("error"):
-                rows.append(
-                    [
-                        family,
-                        name,
-                        f2(res.get("wall"), ".1f"),
-                        f2(peak_mb(res), ".0f"),
-                        "–",
-                        "–",
-                        "–",
-                        "–",
-                        f"ERROR {res['error'][:200]}",
-                    ]
-                )
+                rows.append(timed_row(family, name, res, *["–"] * 4, f"ERROR {res['error'][:200]}"))
                 continue
             c = cmp_.get(method)
             if spec.get("improper"):
@@ -580,17 +573,16 @@ def table_rows(fam_results: dict, quick: bool) -> list:
                     )
                 kh = res.get("khat")
                 rows.append(
-                    [
+                    timed_row(
                         family,
                         name,
-                        f2(res["wall"], ".1f"),
-                        f2(peak_mb(res), ".0f"),
+                        res,
                         sc,
                         "improper: no reference",
                         "–",
                         f2(kh) if kh is not None else "–",
                         extra,
-                    ]
+                    )
                 )
                 continue
             if method == "nuts":
@@ -607,33 +599,20 @@ def table_rows(fam_results: dict, quick: bool) -> list:
                 if rh:
                     extra += f", max r-hat {max(rh.values()):.3f}"
                 rows.append(
-                    [
+                    timed_row(
                         family,
                         name,
-                        f2(res["wall"], ".1f"),
-                        f2(peak_mb(res), ".0f"),
+                        res,
                         sc,
                         eff,
                         ratio,
                         "–",
                         extra + (f"; {warn}" if warn else ""),
-                    ]
+                    )
                 )
                 continue
             if c is None:
-                rows.append(
-                    [
-                        family,
-                        name,
-                        f2(res["wall"], ".1f"),
-                        f2(peak_mb(res), ".0f"),
-                        "no NUTS reference",
-                        "–",
-                        "–",
-                        "–",
-                        warn,
-                    ]
-                )
+                rows.append(timed_row(family, name, res, "no NUTS reference", "–", "–", "–", warn))
                 continue
             sc = ", ".join(
                 f"{s} {v['z']:+.2f} ({100 * v['rel_mean']:+.0f}%, sd x{v['sd_ratio']:.2f})"
@@ -663,19 +642,7 @@ def table_rows(fam_results: dict, quick: bool) -> list:
                     f"{res.get('iterations')} it, loss drift {100 * res.get('loss_drift_last_20pct', np.nan):.2f}%"
                     + (f"; {warn}" if warn else "")
                 )
-            rows.append(
-                [
-                    family,
-                    name,
-                    f2(res["wall"], ".1f"),
-                    f2(peak_mb(res), ".0f"),
-                    sc,
-                    eff,
-                    ratio,
-                    khat,
-                    notes,
-                ]
-            )
+            rows.append(timed_row(family, name, res, sc, eff, ratio, khat, notes))
     return rows
 
 

@@ -332,8 +332,8 @@ def quiet():
         logging.getLogger(name).setLevel(logging.ERROR)
 
 
-def build_model(C, spelling="counts"):
-    """The CTM over the training counts ``C``.
+def build_model(C, spelling="counts", topics=None):
+    """The CTM over the training counts ``C`` with ``topics`` topics (default :data:`K`).
 
     * ``"counts"``: the collapsed ``pm.Multinomial``.
     * ``"token"``: one ``z ~ Categorical(theta_d)`` per training token, which the plugin
@@ -356,10 +356,11 @@ def build_model(C, spelling="counts"):
     import pytensor.tensor as pt
 
     D, V = C.shape
+    k = K if topics is None else topics
     with pm.Model() as m:
-        mu = pm.Normal("mu", 0, 1, shape=K - 1)
-        eta = pm.Normal("eta", mu, 1, shape=(D, K - 1))
-        logit_beta = pm.Normal("logit_beta", 0, 1, shape=(K, V))
+        mu = pm.Normal("mu", 0, 1, shape=k - 1)
+        eta = pm.Normal("eta", mu, 1, shape=(D, k - 1))
+        logit_beta = pm.Normal("logit_beta", 0, 1, shape=(k, V))
         theta = pm.math.softmax(pt.concatenate([eta, pt.zeros((D, 1))], axis=1), axis=-1)
         beta = pm.math.softmax(logit_beta, axis=-1)
         if spelling == "jensen_counts":

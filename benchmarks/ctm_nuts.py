@@ -45,26 +45,13 @@ import time
 import warnings
 
 import common
+import ctm
 import ctm_synthetic
 import numpy as np
 from scipy.special import softmax
 
 RESULTS = common.REPO_ROOT / "benchmarks" / "results"
 K = 3
-
-
-def build_model(C):
-    import pymc as pm
-    import pytensor.tensor as pt
-
-    D, V = C.shape
-    with pm.Model() as m:
-        mu = pm.Normal("mu", 0, 1, shape=K - 1)
-        eta = pm.Normal("eta", mu, 1, shape=(D, K - 1))
-        logit_beta = pm.Normal("logit_beta", 0, 1, shape=(K, V))
-        theta = pm.math.softmax(pt.concatenate([eta, pt.zeros((D, 1))], axis=1), axis=-1)
-        pm.Multinomial("w", n=C.sum(1), p=theta @ pm.math.softmax(logit_beta, axis=-1), observed=C)
-    return m
 
 
 def draws_of(idata):
@@ -117,7 +104,7 @@ def run(args):
         50, 50, K, doc_len=args.doc_len, seed=args.data_seed, test_frac=0.0, factors=K - 1
     )
     C = data["C"]
-    model = build_model(C)
+    model = ctm.build_model(C, topics=K)
     res = dict(run=common.run_record(), data=data["info"], fits=[])
     t0 = time.perf_counter()
     with model, warnings.catch_warnings():

@@ -372,14 +372,10 @@ class StructuredBound:
                 apart = term.accumulate(q, apart, opts, chunk)
         indefinite = None
         if self.indefinite_segments and need_derivatives and need_hessian:
-            indefinite = [
-                None
-                if s not in self.indefinite_segments
-                else _zeros_like(st.factor)
-                if h is None
-                else h
-                for s, (h, st) in enumerate(zip(apart.hessians, states, strict=True))
-            ]
+            indefinite = [None] * nseg
+            for s in self.indefinite_segments:
+                h = apart.hessians[s]
+                indefinite[s] = _zeros_like(states[s].factor) if h is None else h
         stats = _merged(stats, apart)
         expected = stats.value if stats.value is not None else pt.constant(0.0)
         ent = (

@@ -77,7 +77,7 @@ from pymc_mcssvi.pymc.start import (
 )
 from pymc_mcssvi.recognize.analysis import local_scale_hypers
 from pymc_mcssvi.recognize.ir import Segment
-from pymc_mcssvi.recognize.model import check_data, general_reads, recognize
+from pymc_mcssvi.recognize.model import check_data, recognize
 from pymc_mcssvi.recognize.rules import MIXED_BILINEAR
 from pymc_mcssvi.recognize.separable import flat_offsets
 
@@ -924,12 +924,11 @@ class StructuredVI(Inference):
         factors and the matrices whose rows the general terms couple (topics)."""
         tlm = self.tlm
         moved = {gid for term in tlm.bilinear_terms for gid in (term.left, term.right)}
-        if tlm.general_terms:
-            moved |= {
-                gid
-                for gid in general_reads(tlm)
-                if gid not in tlm.general_rows and len(tlm.gaussians[gid].shape) >= 2
-            }
+        moved |= {
+            gid
+            for gid in self.bound.general.reads
+            if gid not in tlm.general_rows and len(tlm.gaussians[gid].shape) >= 2
+        }
         return moved
 
     def _moved_start(self, j, moved):

@@ -47,8 +47,17 @@ Methods, each in a worker process of its own (its own peak memory, ``VmHWM``):
 * **FullRankADVI**: ``pm.fit(30_000, method="fullrank_advi")`` with PyMC's default
   optimizer (5,000 for ``pairs_poisson``: 30,000 did not end
   in 900 s), then 4,000 draws.
-* **NumPyro AutoMultivariateNormal**: only if ``numpyro`` is importable in the
-  venv (it is not at the time of writing; the results say so).
+* **NumPyro AutoMultivariateNormal** (skipped if ``numpyro`` is not importable): on
+  the same PyMC model, no hand-written NumPyro model. The model's joint log density
+  over its unconstrained value variables (PyMC's transforms and Jacobians) as a JAX
+  function (``pymc.sampling.jax.get_jaxified_logp``, float64), added with
+  ``numpyro.factor`` to a NumPyro model over one flat unconstrained vector;
+  ``AutoMultivariateNormal`` (initial location PyMC's initial point, as PyMC's ADVI;
+  ``init_scale`` 0.1), ``SVI`` with ``Trace_ELBO`` (1 particle) and ``Adam(0.01)``,
+  20,000 steps in one jitted loop (``SVI.run``), then 4,000 draws of the guide mapped
+  to the constrained variables and Deterministics by the JAX graph of
+  ``model.unobserved_value_vars`` under ``jax.vmap``. *wall* includes JAX's
+  compilation; the loss's drift over the last 20% is reported as FullRankADVI's.
 
 Reported against NUTS: the scales' z-scores ``(mean - mean_NUTS) / sd_NUTS``, the
 largest |z| of the effects' means and the range of their sd ratios (method sd /
@@ -59,9 +68,10 @@ The plugin is imported from ``git archive HEAD pymc_mcssvi`` (the committed
 sources) unpacked into a temporary directory, so that edits of the checkout
 during the run do not mix in; the commit is in the results.
 
-Run ``python benchmarks/accuracy_families.py`` (about 12 minutes on 2 cores);
-``--family horseshoe`` (comma-separated) runs some families (merging into the
-existing results), ``--quick`` is a smoke run (smaller budgets; writes
+Run ``python benchmarks/accuracy_families.py`` (about 12 minutes on 2 cores, plus
+about 6 for NumPyro); ``--family horseshoe`` and ``--methods numpyro_mvn``
+(comma-separated) run some families or methods (merging into the existing
+results), ``--quick`` is a smoke run (smaller budgets; writes
 ``accuracy_families_quick.*``, leaves the docs alone). Writes
 ``benchmarks/results/accuracy_families.json`` and ``.md``; the section of
 ``docs/benchmarks.md`` was appended by hand from the ``.md``.
@@ -105,8 +115,24 @@ LABEL = {
     "fullrank_advi": "FullRankADVI",
     "numpyro_mvn": "NumPyro AutoMVN",
 }
-FULL = dict(nuts_tune=1000, nuts_draws=1000, fr_iters=30_000, draws=4000, timeout=900)
-QUICK = dict(nuts_tune=200, nuts_draws=200, fr_iters=2000, draws=1000, timeout=600)
+FULL = dict(
+    nuts_tune=1000,
+    nuts_draws=1000,
+    fr_iters=30_000,
+    numpyro_steps=20_000,
+    numpyro_lr=0.01,
+    draws=4000,
+    timeout=900,
+)
+QUICK = dict(
+    nuts_tune=200,
+    nuts_draws=200,
+    fr_iters=2000,
+    numpyro_steps=2000,
+    numpyro_lr=0.01,
+    draws=1000,
+    timeout=600,
+)
 SEED = 51
 
 
@@ -362,6 +388,86 @@ def _moments(q: dict) -> dict:
     return out
 
 
+def _loss_drift(hist) -> dict:
+    """Final loss (mean of the last 5%) and its drift over the last 20% of the steps."""
+    hist = np.asarray(hist, dtype="float64")
+    k = max(1, len(hist) // 20)
+    end = np.mean(hist[-k:])
+    at80 = np.mean(hist[int(0.8 * len(hist)) - k : int(0.8 * len(hist))])
+    return {
+        "iterations": len(hist),
+        "final_loss": float(end),
+        "loss_drift_last_20pct": float((at80 - end) / abs(end)),
+        "nan_losses": int(np.sum(~np.isfinite(hist))),
+    }
+
+
+def numpyro_mvn(model, cfg: dict, res: dict) -> dict:
+    """NumPyro ``AutoMultivariateNormal`` on the PyMC model's own log density.
+
+    The joint log density of ``model`` over its unconstrained value variables
+    (PyMC's transforms and Jacobians included) is turned into a JAX function
+    (``pymc.sampling.jax.get_jaxified_logp``, float64), and a NumPyro model over
+    one flat vector ``x`` (an ``ImproperUniform`` site) adds it with
+    ``numpyro.factor``. SVI: ``AutoMultivariateNormal`` (initial location PyMC's
+    initial point, the same start as PyMC's ADVI; NumPyro's default
+    ``init_scale=0.1``), ``Trace_ELBO`` (1 particle), ``Adam(numpyro_lr)``,
+    ``numpyro_steps`` steps in one jitted loop (``SVI.run``). The draws of the
+    guide are mapped to the model's constrained variables and Deterministics by
+    the JAX graph of ``model.unobserved_value_vars`` under ``jax.vmap``. Returns
+    the draws by variable name (``_posterior_arrays``' layout).
+    """
+    import jax
+    import jax.numpy as jnp
+    import numpyro
+    import numpyro.distributions as dist
+    from numpyro.infer import SVI, Trace_ELBO
+    from numpyro.infer.autoguide import AutoMultivariateNormal
+    from numpyro.infer.initialization import init_to_value
+    from numpyro.optim import Adam
+    from pymc.sampling.jax import get_jaxified_graph, get_jaxified_logp
+    from pymc.util import get_default_varnames
+
+    # get_jaxified_logp(negative_logp=True) is the log density itself (not negated)
+    logp = get_jaxified_logp(model, negative_logp=True)
+    ip = model.initial_point()
+    names = [v.name for v in model.value_vars]
+    shapes = [np.shape(ip[n]) for n in names]
+    sizes = [int(np.prod(sh)) for sh in shapes]
+    splits = np.cumsum(sizes)[:-1].tolist()
+    D = int(sum(sizes))
+    x0 = np.concatenate([np.ravel(ip[n]).astype("float64") for n in names])
+
+    def unflatten(x):
+        parts = jnp.split(x, splits, axis=-1)
+        return [p.reshape(*x.shape[:-1], *sh) for p, sh in zip(parts, shapes, strict=True)]
+
+    def np_model():
+        x = numpyro.sample("x", dist.ImproperUniform(dist.constraints.real_vector, (), (D,)))
+        numpyro.factor("logp", logp(unflatten(x)))
+
+    guide = AutoMultivariateNormal(np_model, init_loc_fn=init_to_value(values={"x": x0}))
+    svi = SVI(np_model, guide, Adam(cfg["numpyro_lr"]), Trace_ELBO())
+    out = svi.run(jax.random.PRNGKey(SEED), cfg["numpyro_steps"], progress_bar=False)
+    hist = np.asarray(out.losses)
+    res.update(_loss_drift(hist))
+    res.update(
+        dim=D,
+        steps=cfg["numpyro_steps"],
+        lr=cfg["numpyro_lr"],
+        jax_x64=bool(jax.config.jax_enable_x64),
+    )
+    draws = guide.sample_posterior(
+        jax.random.PRNGKey(SEED + 1), out.params, sample_shape=(cfg["draws"],)
+    )["x"]
+    outs = list(get_default_varnames(model.unobserved_value_vars, include_transformed=False))
+    fn = get_jaxified_graph(inputs=model.value_vars, outputs=outs)
+    vals = jax.vmap(lambda x: fn(*unflatten(x)))(draws)
+    post = {v.name: np.asarray(a) for v, a in zip(outs, vals, strict=True)}
+    res["nonfinite_draws"] = int(sum(np.sum(~np.isfinite(a)) for a in post.values()))
+    return post
+
+
 def worker(family: str, method: str, quick: bool, out: str):
     import logging
 
@@ -413,19 +519,13 @@ def worker(family: str, method: str, quick: bool, out: str):
                             random_seed=SEED,
                             progressbar=False,
                         )
-                        hist = np.asarray(approx.hist)
-                        res["iterations"] = len(hist)
-                        k = max(1, len(hist) // 20)
-                        res["final_loss"] = float(np.mean(hist[-k:]))
-                        res["loss_drift_last_20pct"] = float(
-                            (
-                                np.mean(hist[int(0.8 * len(hist)) - k : int(0.8 * len(hist))])
-                                - np.mean(hist[-k:])
-                            )
-                            / abs(np.mean(hist[-k:]))
-                        )
-                        res["nan_losses"] = int(np.sum(~np.isfinite(hist)))
+                        res.update(_loss_drift(approx.hist))
                         idata = approx.sample(cfg["draws"], random_seed=SEED)
+                    elif method == "numpyro_mvn":
+                        import numpyro
+
+                        res["numpyro"] = numpyro.__version__
+                        post = numpyro_mvn(model, cfg, res)
                     else:
                         raise ValueError(method)
                 res["wall"] = time.perf_counter() - t0
@@ -434,7 +534,8 @@ def worker(family: str, method: str, quick: bool, out: str):
                     res["children_maxrss_mb"] = (
                         resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024.0
                     )
-                post = _posterior_arrays(idata)
+                if method != "numpyro_mvn":
+                    post = _posterior_arrays(idata)
                 q = quantities(post)
                 res["moments"] = _moments(q)
                 if method == "nuts":
@@ -478,7 +579,6 @@ def run_method(family, method, quick, env, timeout) -> dict:
             import numpyro  # noqa: F401
         except ImportError:
             return {**label, "skipped": "numpyro is not installed in the venv"}
-        return {**label, "skipped": "numpyro importable, but this script has no NumPyro path yet"}
     record = run_record("quick" if quick else "full")
     t0 = time.perf_counter()
     args = [family, method, *(["--quick"] if quick else [])]
@@ -571,6 +671,12 @@ def table_rows(fam_results: dict, quick: bool) -> list:
                     extra = f"divergences {res.get('divergences')}, max treedepth " + (
                         f"{res.get('max_treedepth_hits')}, max r-hat {max(res.get('rhat_max', {0: np.nan}).values()):.2f}"
                     )
+                if method in ("fullrank_advi", "numpyro_mvn"):
+                    extra = (
+                        f"{res.get('iterations')} it, loss drift "
+                        f"{100 * res.get('loss_drift_last_20pct', np.nan):.2f}%"
+                        + (f"; {warn}" if warn else "")
+                    )
                 kh = res.get("khat")
                 rows.append(
                     timed_row(
@@ -637,7 +743,7 @@ def table_rows(fam_results: dict, quick: bool) -> list:
                 )
                 if res.get("khat_error"):
                     notes += f"; diagnose: {res['khat_error'][:160]}"
-            if method == "fullrank_advi":
+            if method in ("fullrank_advi", "numpyro_mvn"):
                 notes = (
                     f"{res.get('iterations')} it, loss drift {100 * res.get('loss_drift_last_20pct', np.nan):.2f}%"
                     + (f"; {warn}" if warn else "")
@@ -762,6 +868,14 @@ def render_md(results: dict, quick: bool) -> str:
         f"Mode: {'quick' if quick else 'full'}.",
         "",
     ]
+    for r in results.get("reruns", []):
+        fams = "all families" if set(r["families"]) == set(FAMILIES) else ", ".join(r["families"])
+        lines += [
+            f"Rerun {r['date']} ({', '.join(LABEL.get(m, m) for m in r['methods'])}; {fams}; "
+            f"HEAD {r['code'].get('commit')}), merged; each row's date and load average are "
+            "in the JSON's `run` records.",
+            "",
+        ]
     for family in FAMILIES:
         if family in results["families"]:
             lines.append(f"* `{family}`: {results['families'][family]['text']}")

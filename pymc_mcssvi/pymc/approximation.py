@@ -790,7 +790,8 @@ class StructuredApproximation(Approximation):
 
     def diagnose(self, draws: int = 1000, *, random_seed=None):
         """PSIS diagnosis of the fit: Pareto k-hat of ``p(y, theta) / q(theta)``
-        (trustworthy below 0.7) and importance-reweighted draws.
+        (trustworthy below 0.7, or below :func:`~pymc_mcssvi.pymc.diagnostics.khat_threshold`
+        of q's dimension in many dimensions) and importance-reweighted draws.
 
         See :func:`pymc_mcssvi.pymc.diagnostics.diagnose`.
 

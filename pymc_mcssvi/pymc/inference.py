@@ -750,11 +750,13 @@ class StructuredVI(Inference):
         diagnose : bool or "auto"
             PSIS diagnosis of the fitted q against the model's joint density
             (:meth:`StructuredApproximation.diagnose`), kept as
-            ``approx.diagnosis``; a fit whose Pareto k-hat is 0.7 or more warns
+            ``approx.diagnosis``; a fit whose Pareto k-hat is 0.7 or more (more in
+            over about 180 dimensions, where k-hat grows even for a good q:
+            :func:`~pymc_mcssvi.pymc.diagnostics.khat_threshold`) warns
             (:class:`~pymc_mcssvi.pymc.diagnostics.PSISWarning`). ``"auto"``
-            diagnoses small fits (up to 100 coordinates in q, 200,000 observed
-            values, no ``pm.Minibatch`` or integrated-out locals); ``True`` every
-            fit, ``False`` none.
+            diagnoses fits that it can at a small cost (up to 2,000 coordinates in q
+            and 2,000,000 observed values times coordinates, no ``pm.Minibatch`` or
+            integrated-out locals); ``True`` every fit, ``False`` none.
 
         Returns
         -------

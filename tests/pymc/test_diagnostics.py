@@ -140,6 +140,47 @@ def test_a_poor_fit_warns_at_the_end_of_pm_fit():
         approx.diagnosis.sample(10, random_seed=0)
 
 
+def test_a_poor_fit_in_many_dimensions_warns():
+    """250 independent two-mode locations: q has 250 coordinates (above the 100 that
+    ``diagnose="auto"`` once stopped at) and k-hat far above the raised threshold."""
+    rng = np.random.default_rng(0)
+    J = 250
+    y = np.concatenate([rng.normal(-3, 0.3, (5, J)), rng.normal(3, 0.3, (5, J))])
+    with pm.Model():
+        mu = pm.Normal("mu", 0, 10, shape=J)
+        pm.StudentT("y", nu=0.5, mu=mu, sigma=0.3, observed=y)
+        with pytest.warns(PSISWarning, match=r"poor match .* 250 coordinates"):
+            approx = pm.fit(method="hmcssvi", progressbar=False, random_seed=0)
+    d = approx.diagnosis
+    assert d.dimension == J and d.threshold == diagnostics.khat_threshold(J) > 0.7
+    assert d.khat > d.threshold and not d.trustworthy
+
+
+@pytest.mark.parametrize("dim", [300, 1000])
+def test_khat_threshold_separates_good_from_poor_gaussian_fits(dim):
+    """The threshold against k-hat of exact Gaussian importance ratios: q = N(0, I)
+    and a posterior N(delta, diag(s^2)) whose every coordinate is 0.05 sd and 5% off
+    (a good fit) stays below it in most draws, and one 0.25 sd and 25% off (what
+    issue 51 calls a miss) is above it in all; 0.7 alone flags the good fits."""
+    rng = np.random.default_rng(dim)
+    threshold = diagnostics.khat_threshold(dim)
+    sign = np.where(np.arange(dim) % 2 == 0, 1.0, -1.0)
+
+    def khat(off):
+        delta, s = off * sign * rng.permutation(sign), np.exp(off * sign)
+        x = rng.normal(size=(1000, dim))
+        log_ratio = np.sum(-0.5 * ((x - delta) / s) ** 2 - np.log(s) + 0.5 * x**2, axis=1)
+        return diagnostics._psis(log_ratio)[0]
+
+    good = np.array([khat(0.05) for _ in range(10)])
+    poor = np.array([khat(0.25) for _ in range(5)])
+    assert np.mean(good < threshold) >= 0.9, (good, threshold)
+    assert np.all(poor > threshold), (poor, threshold)
+    if dim == 1000:
+        assert np.mean(good >= 0.7) >= 0.5  # the fixed 0.7 would flag good fits
+    assert diagnostics.khat_threshold(50) == 0.7
+
+
 def test_a_good_fit_is_quiet_and_resamples():
     rng = np.random.default_rng(0)
     X = rng.normal(size=(300, 3))

@@ -281,3 +281,83 @@ def test_biases_of_a_large_factorization_keep_their_joint_covariance():
     fit_sd = np.r_[s["mu"].values, s["a"].values, s["b"].values]
     assert np.max(np.abs(fit_mean - mean) / sd) < 0.1
     np.testing.assert_allclose(fit_sd / sd, 1.0, atol=0.05)
+
+
+def _biased_factorization():
+    """Bernoulli factorization 30 x 20, K = 2, half the cells observed, row and column
+    biases with learned HalfNormal scales (issue 51's family, the benchmark's quick size)."""
+    from scipy.special import expit
+
+    n_r, n_c, k = 30, 20, 2
+    rng = np.random.default_rng(5)
+    a0, b0 = rng.normal(0, 0.5, n_r), rng.normal(0, 0.5, n_c)
+    U0, V0 = rng.normal(size=(n_r, k)), rng.normal(size=(n_c, k))
+    s, d = np.divmod(rng.permutation(n_r * n_c)[: n_r * n_c // 2], n_c)
+    y = rng.binomial(1, expit(-0.2 + a0[s] + b0[d] + (U0[s] * V0[d]).sum(-1)))
+    with pm.Model() as model:
+        mu = pm.Normal("mu", 0, 1.5)
+        sigma_a, sigma_b = pm.HalfNormal("sigma_a", 1.0), pm.HalfNormal("sigma_b", 1.0)
+        a = pm.Normal("a", 0, sigma_a, shape=n_r)
+        b = pm.Normal("b", 0, sigma_b, shape=n_c)
+        U = pm.Normal("U", 0, 1, shape=(n_r, k))
+        V = pm.Normal("V", 0, 1, shape=(n_c, k))
+        pm.Bernoulli("y", logit_p=mu + a[s] + b[d] + (U[s] * V[d]).sum(-1), observed=y)
+    return model
+
+
+_BIASED_FITS = {}
+
+
+def _biased_factorization_summaries():
+    """``{name: (fit draws, NUTS draws)}`` for the two scales and the products
+    ``U[r] . V[c]`` of every cell (invariant to the factors' signs and rotations)."""
+    from tests.conftest import nuts_draws
+
+    if _BIASED_FITS:
+        return _BIASED_FITS
+    model = _biased_factorization()
+    with model:
+        approx = pm.fit(method="hmcssvi", random_seed=1, progressbar=False)
+
+    def quantities(post):
+        def flat(v):
+            return post[v].values.reshape(-1, *post[v].shape[2:])
+
+        prod = np.einsum("srk,sck->src", flat("U"), flat("V"))
+        return {
+            "sigma_a": flat("sigma_a"),
+            "sigma_b": flat("sigma_b"),
+            "products": prod.reshape(prod.shape[0], -1),
+        }
+
+    fit = quantities(approx.sample(4000, random_seed=2).posterior)
+    ref = quantities(nuts_draws(model, "biased_factorization_30x20").posterior)
+    _BIASED_FITS.update({k: (fit[k], ref[k]) for k in fit})
+    return _BIASED_FITS
+
+
+@pytest.mark.slow
+def test_biased_factorization_bias_scales_close_to_nuts():
+    """Issue 51's target for the biases beside a product: their learned scales' posterior
+    means within 20% of NUTS's (+11% and +12% here; an earlier sweep found a bias
+    scale collapsed to 0.057 where NUTS gives 0.24). Their sds are not: 0.26x and
+    0.27x NUTS's (fit_warnings' matrix-factorization warning says so)."""
+    out = _biased_factorization_summaries()
+    for name in ("sigma_a", "sigma_b"):
+        fit, ref = out[name]
+        assert abs(fit.mean() / ref.mean() - 1) < 0.2, (name, fit.mean(), ref.mean())
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="issue 51: the factorized q(U) q(V) of the paper puts the products' means up to "
+    "0.7 NUTS sd off (too large in magnitude), with or without the biases; a joint Gaussian "
+    "over (U, V) halves that (0.35 on the 60 x 40 benchmark) but still misses 0.25",
+)
+def test_biased_factorization_products_close_to_nuts():
+    """Issue 51's target for the products ``U[r] . V[c]``: means within 0.25 NUTS sd."""
+    fit, ref = _biased_factorization_summaries()["products"]
+    z = (fit.mean(0) - ref.mean(0)) / ref.std(0)
+    assert np.abs(z).max() < 0.25, np.abs(z).max()

@@ -15,6 +15,7 @@ import functools
 import importlib.util
 import logging
 import os
+import time
 import warnings
 
 import numpy as np
@@ -73,6 +74,20 @@ JAX_FALLBACK_COMPILE_WORK = 1e9
 #: Iterations a ``"python"`` step runs compiled with merging only before it is
 #: recompiled with the full rewrites (the break-even of the two, see :class:`UpgradingStep`).
 UPGRADE_AT = 120
+#: Seconds of iterations after which an automatically chosen ``"python"`` step is
+#: replaced by a JAX one (when JAX is installed): about JAX's compilation time, so a
+#: fit that turns out long pays at most about twice the better choice (the ski-rental
+#: rule of :class:`UpgradingStep`, on measured time). The flop estimate behind
+#: :func:`choose_backend` misses element-wise work: a 300 x 50 horseshoe regression
+#: (120 sigma points of its 52 hyperparameter coordinates) took 0.37 s an iteration
+#: uncompiled and 0.12 s with JAX, 52 s against 22 s for its 137 iterations.
+JAX_SWITCH_SECONDS = 5.0
+#: ... when its iterations take this long on average: below it an uncompiled iteration
+#: is mostly the Python VM's per-node overhead and small LAPACK calls, which JAX does
+#: not make much faster (a 60 x 40 factorization, 0.056 s an iteration: 11.9 s for its
+#: 134 iterations uncompiled, 13.8 s with JAX from the start, 22 s with a switch after
+#: 5 s); above it, element-wise work over large arrays that JAX fuses.
+JAX_SWITCH_ITERATION_SECONDS = 0.2
 
 
 @functools.cache
@@ -196,13 +211,24 @@ class UpgradingStep(StepFunction):
     (:func:`~pymc_mcssvi.backend.modes.per_element_ops`). Both functions update the
     same shared state; the second is compiled without reseeding the random
     generators, so the draws continue.
+
+    With ``switch`` (a function of a fallback step that compiles the JAX step), the
+    time of the iterations after the first is summed, and once it passes
+    :data:`JAX_SWITCH_SECONDS` at more than :data:`JAX_SWITCH_ITERATION_SECONDS` an
+    iteration, the rest of the fit runs ``switch``'s step: the same
+    graph over the same shared state, so the fit goes on where it was (up to
+    rounding, and a JAX step's own copies of the random generators). That switch
+    depends on measured time: pass ``backend=`` to ``fit`` for a fixed backend.
     """
 
-    def __init__(self, compile_fn):
+    def __init__(self, compile_fn, switch=None):
         self._compile = compile_fn
         self._fn = None
         self.calls = 0
         self.upgraded = False
+        self.switch = switch
+        self.switched = None
+        self.elapsed = 0.0
 
     @property
     def fn(self):
@@ -220,10 +246,27 @@ class UpgradingStep(StepFunction):
         return self._fn
 
     def __call__(self) -> StepInfo:
+        if self.switched is not None:
+            return self.switched()
         if not self.upgraded and self.calls >= UPGRADE_AT:
             self.upgrade()
         self.calls += 1
-        return StepInfo._make(self.fn())
+        start = time.perf_counter()
+        out = StepInfo._make(self.fn())
+        if self.switch is not None and self.calls > 1:  # the first call compiles
+            self.elapsed += time.perf_counter() - start
+            slow = self.elapsed > JAX_SWITCH_ITERATION_SECONDS * (self.calls - 1)
+            if self.elapsed > JAX_SWITCH_SECONDS and slow:
+                switch, self.switch = self.switch, None
+                self.switched = switch(self._python_step)
+        return out
+
+    def _python_step(self, err=None) -> StepFunction:
+        """This step's own function as a step (the fallback of a failed switch)."""
+        if err is not None:
+            logger.info(f"JAX cannot run this step ({type(err).__name__}); staying uncompiled")
+        self.switched = None
+        return StepFunction(self.fn)
 
     def upgrade(self):
         """Switch to the fully rewritten function now."""
@@ -294,11 +337,14 @@ def is_jax_mode(backend, compile_kwargs) -> bool:
     )
 
 
-def compile_step(kernel, store, model, backend, compile_kwargs, random_seed) -> StepFunction:
+def compile_step(
+    kernel, store, model, backend, compile_kwargs, random_seed, switch=None
+) -> StepFunction:
     """Compile ``kernel``'s step over the shared state ``store`` for ``backend``.
 
     ``backend="python"`` gives an :class:`UpgradingStep` (the plugin's own Python
-    modes), JAX a :class:`HostStateStep`, numba and C a plain :class:`StepFunction`.
+    modes; ``switch``: see there), JAX a :class:`HostStateStep`, numba and C a plain
+    :class:`StepFunction`.
     """
     compile_kwargs = dict(compile_kwargs or {})
     ck = named_backend_kwargs(backend, compile_kwargs) if backend != "python" else {}
@@ -329,7 +375,7 @@ def compile_step(kernel, store, model, backend, compile_kwargs, random_seed) -> 
                     **{**compile_kwargs, "mode": mode},
                 )
 
-        step = UpgradingStep(compile_python)
+        step = UpgradingStep(compile_python, switch)
         if kernel.chunk_plan():
             # the cheap first compilation (merging only) would keep every chunk's
             # accumulator of the reducing scans: the full rewrites from the start

@@ -43,6 +43,7 @@ from pymc_mcssvi.backend.compile import (
     choose_backend,
     compile_step,
     fallback_backend,
+    jax_available,
 )
 from pymc_mcssvi.backend.modes import graph_building
 from pymc_mcssvi.bounds.structured import StructuredBound
@@ -653,8 +654,12 @@ class StructuredVI(Inference):
             backend = self.choose_backend()
         key = (backend, repr(sorted(compile_kwargs.items())))
         if key not in self._step_fns:
+            switch = None
+            if automatic and backend == "python" and jax_available():
+                # slow uncompiled iterations move to JAX (JAX_SWITCH_SECONDS)
+                switch = functools.partial(self._switch_to_jax, compile_kwargs)
             try:
-                fn = self._compile(backend, compile_kwargs)
+                fn = self._compile(backend, compile_kwargs, switch=switch)
             except Exception as err:  # noqa: BLE001  (JAX's translation errors share no base class)
                 if not (automatic and backend == "jax"):
                     raise
@@ -670,12 +675,29 @@ class StructuredVI(Inference):
         fn, self.backend_used = self._step_fns[key]
         if self._posterior is not None:
             self._posterior.backend = self.backend_used
+        if isinstance(fn, UpgradingStep) and fn.switched is not None:
+            self.backend_used = "jax"  # the step only: post-fit functions stay uncompiled
         return fn
 
-    def _compile(self, backend, compile_kwargs):
+    def _compile(self, backend, compile_kwargs, switch=None):
         return compile_step(
-            self.kernel, self.store, self.model, backend, compile_kwargs, self.random_seed
+            self.kernel, self.store, self.model, backend, compile_kwargs, self.random_seed, switch
         )
+
+    def _switch_to_jax(self, compile_kwargs, fallback):
+        """The JAX step that an automatically chosen ``"python"`` step hands over to
+        once its iterations have taken :data:`~pymc_mcssvi.backend.compile.JAX_SWITCH_SECONDS`
+        (``fallback(error)``: the Python step again, if JAX cannot run it)."""
+        logger.info(
+            "The uncompiled iterations have taken %.0f s: compiling the step with JAX for the rest",
+            compile_module.JAX_SWITCH_SECONDS,
+        )
+        try:
+            fn = self._compile("jax", compile_kwargs)
+        except Exception as err:  # noqa: BLE001  (JAX's translation errors share no base class)
+            return fallback(err)
+        self.backend_used = "jax"
+        return TracedOnFirstCall(fn, fallback)
 
     def _jax_fallback_backend(self) -> str:
         """Backend used when JAX cannot run an automatically chosen step."""
@@ -739,7 +761,12 @@ class StructuredVI(Inference):
         backend : {"numba", "c", "jax", "python"}, optional
             PyTensor backend of the compiled step. ``None`` chooses ``"python"``
             (no compilation) for small problems and ``"jax"`` (or ``"numba"``
-            when JAX is not installed) for large ones, see :meth:`choose_backend`.
+            when JAX is not installed) for large ones, see :meth:`choose_backend`;
+            an uncompiled step whose iterations have taken 5 s at over 0.2 s each
+            (:data:`~pymc_mcssvi.backend.compile.JAX_SWITCH_SECONDS`) is compiled
+            with JAX for the rest of the fit. That hand-over depends on measured
+            time: a backend given by name is kept, for fits that must repeat to
+            the last digit.
         blas_threads : int, optional
             Threads of BLAS/LAPACK during the fit (the iterations and the re-fits
             after them); ``None`` uses one thread unless an iteration is large, q has

@@ -41,6 +41,29 @@ def test_jax_step_matches_the_python_step():
     np.testing.assert_allclose(got.std.eval(), ref.std.eval(), rtol=1e-7, atol=1e-9)
 
 
+def test_a_slow_uncompiled_step_hands_over_to_jax(monkeypatch):
+    """With the hand-over's thresholds at 0, the automatically chosen Python step runs
+    two iterations and JAX the rest: the same bound trace and q as the Python step
+    alone (the shared state goes on where it was). With the thresholds as they are,
+    the same small fit stays uncompiled."""
+    model = _ordinal_pmf()
+    with model:
+        ref = pymc_mcssvi.HMCSSVI(random_seed=1).fit(n=6, progressbar=False, backend="python")
+        stays = pymc_mcssvi.HMCSSVI(random_seed=1)
+        stays.fit(n=6, progressbar=False)
+        monkeypatch.setattr(compile_module, "JAX_SWITCH_SECONDS", 0.0)
+        monkeypatch.setattr(compile_module, "JAX_SWITCH_ITERATION_SECONDS", 0.0)
+        inf = pymc_mcssvi.HMCSSVI(random_seed=1)
+        assert inf.choose_backend() == "python"
+        got = inf.fit(n=6, progressbar=False)
+    assert stays.backend_used == "python"
+    step = inf._step_fns[("python", "[]")][0]
+    assert inf.backend_used == "jax" and step.calls == 2 and step.switched is not None
+    np.testing.assert_allclose(got.hist, ref.hist, rtol=1e-9)
+    np.testing.assert_allclose(got.mean.eval(), ref.mean.eval(), rtol=1e-7, atol=1e-9)
+    np.testing.assert_allclose(got.std.eval(), ref.std.eval(), rtol=1e-7, atol=1e-9)
+
+
 @pytest.mark.slow
 def test_jax_step_with_row_subsampling_takes_the_python_steps_subsets():
     """Row subsample windows are numbered by the step (no generator in the step), so the
@@ -72,7 +95,7 @@ def test_automatic_jax_falls_back_when_an_op_has_no_translation(monkeypatch, err
     compiled = []
     real_compile = inference.StructuredVI._compile
 
-    def fake_compile(self, backend, compile_kwargs):
+    def fake_compile(self, backend, compile_kwargs, switch=None):
         compiled.append(backend)
         if backend == "jax":
             raise error

@@ -269,8 +269,9 @@ class UpgradingStep(StepFunction):
         return StepFunction(self.fn)
 
     def upgrade(self):
-        """Switch to the fully rewritten function now."""
-        if not self.upgraded:
+        """Switch to the fully rewritten function now (not needed once the step has
+        handed over to JAX)."""
+        if not self.upgraded and self.switched is None:
             self._fn = self._compile(full=True, reseed=self._fn is None)
             self.upgraded = True
 

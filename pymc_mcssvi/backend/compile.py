@@ -258,15 +258,16 @@ class UpgradingStep(StepFunction):
             slow = self.elapsed > JAX_SWITCH_ITERATION_SECONDS * (self.calls - 1)
             if self.elapsed > JAX_SWITCH_SECONDS and slow:
                 switch, self.switch = self.switch, None
-                self.switched = switch(self._python_step)
+                handed = switch(self._python_step)
+                self.switched = None if handed is self else handed
         return out
 
-    def _python_step(self, err=None) -> StepFunction:
-        """This step's own function as a step (the fallback of a failed switch)."""
-        if err is not None:
-            logger.info(f"JAX cannot run this step ({type(err).__name__}); staying uncompiled")
+    def _python_step(self, err) -> StepFunction:
+        """This step, uncompiled from now on (the fallback of a failed hand-over: its
+        calls go on counting towards :data:`UPGRADE_AT`)."""
+        logger.info(f"JAX cannot run this step ({type(err).__name__}); staying uncompiled")
         self.switched = None
-        return StepFunction(self.fn)
+        return self
 
     def upgrade(self):
         """Switch to the fully rewritten function now (not needed once the step has

@@ -654,23 +654,20 @@ class StructuredVI(Inference):
             backend = self.choose_backend()
         key = (backend, repr(sorted(compile_kwargs.items())))
         if key not in self._step_fns:
-            switch = None
-            if automatic and backend == "python" and jax_available():
-                # slow uncompiled iterations move to JAX (JAX_SWITCH_SECONDS)
-                switch = functools.partial(self._switch_to_jax, compile_kwargs)
-            try:
-                fn = self._compile(backend, compile_kwargs, switch=switch)
-            except Exception as err:  # noqa: BLE001  (JAX's translation errors share no base class)
-                if not (automatic and backend == "jax"):
-                    raise
+            if automatic and backend == "jax":
                 # a missing JAX translation (NotImplementedError) or a failure inside one:
-                # the fallback backend compiles the same graph, and re-raises a genuine error
-                self._replace_jax_step(key, compile_kwargs, err)
+                # the fallback backend compiles the same graph (and re-raises a genuine
+                # error), remembered under this key by _replace_jax_step
+                fn = self._guarded_jax_step(
+                    compile_kwargs, lambda err: self._replace_jax_step(key, compile_kwargs, err)
+                )
+                self._step_fns.setdefault(key, (fn, "jax"))
             else:
-                if automatic and backend == "jax":
-                    fn = TracedOnFirstCall(
-                        fn, lambda err: self._replace_jax_step(key, compile_kwargs, err)
-                    )
+                switch = None
+                if automatic and backend == "python" and jax_available():
+                    # slow uncompiled iterations move to JAX (JAX_SWITCH_SECONDS)
+                    switch = functools.partial(self._switch_to_jax, compile_kwargs)
+                fn = self._compile(backend, compile_kwargs, switch=switch)
                 self._step_fns[key] = (fn, backend or "custom")
         fn, self.backend_used = self._step_fns[key]
         if self._posterior is not None:
@@ -692,11 +689,21 @@ class StructuredVI(Inference):
             "The uncompiled iterations have taken %.0f s: compiling the step with JAX for the rest",
             compile_module.JAX_SWITCH_SECONDS,
         )
+
+        def stay_uncompiled(err):
+            self.backend_used = "python"
+            return fallback(err)
+
+        self.backend_used = "jax"
+        return self._guarded_jax_step(compile_kwargs, stay_uncompiled)
+
+    def _guarded_jax_step(self, compile_kwargs, fallback):
+        """The JAX step, or ``fallback(error)`` when JAX cannot compile it or (on the first
+        call, when PyTensor's JAX functions are traced) run it."""
         try:
             fn = self._compile("jax", compile_kwargs)
         except Exception as err:  # noqa: BLE001  (JAX's translation errors share no base class)
             return fallback(err)
-        self.backend_used = "jax"
         return TracedOnFirstCall(fn, fallback)
 
     def _jax_fallback_backend(self) -> str:

@@ -64,6 +64,41 @@ def test_a_slow_uncompiled_step_hands_over_to_jax(monkeypatch):
     np.testing.assert_allclose(got.std.eval(), ref.std.eval(), rtol=1e-7, atol=1e-9)
 
 
+@pytest.mark.parametrize("fails_at", ["compilation", "first-call"])
+def test_a_hand_over_that_jax_cannot_run_stays_uncompiled(monkeypatch, fails_at):
+    """JAX fails on the handed-over step (compiling it, or tracing it at its first call):
+    the fit goes on with the Python step, the same trace as the Python step alone, its
+    calls counted, and reports the Python backend."""
+    model = _ordinal_pmf()
+    real_compile = inference.StructuredVI._compile
+    error = NotImplementedError("No JAX conversion for the given `Op`: Foo")
+
+    class FailsWhenCalled:
+        def __init__(self, store):
+            self.store = store
+
+        def __call__(self):
+            raise error
+
+    def fake_compile(self, backend, compile_kwargs, switch=None):
+        if backend == "jax":
+            if fails_at == "compilation":
+                raise error
+            return FailsWhenCalled(self.store)
+        return real_compile(self, backend, compile_kwargs, switch=switch)
+
+    with model:
+        ref = pymc_mcssvi.HMCSSVI(random_seed=1).fit(n=6, progressbar=False, backend="python")
+        monkeypatch.setattr(inference.StructuredVI, "_compile", fake_compile)
+        monkeypatch.setattr(compile_module, "JAX_SWITCH_SECONDS", 0.0)
+        monkeypatch.setattr(compile_module, "JAX_SWITCH_ITERATION_SECONDS", 0.0)
+        inf = pymc_mcssvi.HMCSSVI(random_seed=1)
+        got = inf.fit(n=6, progressbar=False)
+    step = inf._step_fns[("python", "[]")][0]
+    assert inf.backend_used == "python" and step.switched is None and step.calls == 6
+    np.testing.assert_allclose(got.hist, ref.hist, rtol=1e-12)
+
+
 @pytest.mark.slow
 def test_jax_step_with_row_subsampling_takes_the_python_steps_subsets():
     """Row subsample windows are numbered by the step (no generator in the step), so the

@@ -47,7 +47,11 @@ from pymc_mcssvi.exceptions import UnsupportedModelError
 from pymc_mcssvi.families.gaussian import GaussianBlocks, _lower_inverse, bmm, bmv
 from pymc_mcssvi.recognize.graph import depends_on_any, evaluate_static, holds_row_positions
 
-__all__ = ["BilinearEstimator"]
+__all__ = ["RUN_MAX", "BilinearEstimator"]
+
+#: Most observations per run of one row (:meth:`BilinearEstimator._pieces`): a run's
+#: Hessian is one ``K x (L a)`` by ``(L a) x K`` product.
+RUN_MAX = 32
 
 
 def _row_positions(v, n, m):
@@ -131,6 +135,7 @@ class BilinearEstimator:
                 segs.append(s)
             self.items.append((term, segs[0], segs[1]))
         self.layouts = [self._layouts(term) for term, _, _ in self.items]
+        self.pieces = self._pieces()
 
     def _layouts(self, term):
         """Observations grouped by row, per side: ``(order, counts, starts)`` for U and V rows.
@@ -159,6 +164,70 @@ class BilinearEstimator:
             out.append((order, counts, starts))
         return out
 
+    def _pieces(self):
+        """Each side's observations in runs of ``L`` of one row, or ``None``.
+
+        For one bilinear term in full batch with fixed indices and nothing added to
+        its product: per side (V's rows, then U's), ``(obs, weight, rows)`` with
+        ``obs`` ``(P, L)`` the observation ids of ``P`` runs (a row's observations
+        in order, cut into runs of ``L``, the last one padded with weight 0),
+        ``weight`` ``(P, L)`` and ``rows`` ``(P,)`` the run's row. Both sides are
+        padded to the same ``P`` with empty runs, so that a chunk (of runs) indexes
+        both. ``L`` is the largest power of two at most half the smaller side's mean
+        row count, between 1 and :data:`RUN_MAX`, so that padding adds at most about a
+        third.
+        """
+        if len(self.items) != 1 or self.row_subsample is not None:
+            return None
+        if self.affine_geometries[0] is not None:
+            return None
+        term, su, sv = self.items[0]
+        try:
+            left, right = evaluate_static([term.left_rows, term.right_rows])
+        except Exception:  # rows that change (pm.Minibatch)
+            return None
+        left, right = np.asarray(left, "int64"), np.asarray(right, "int64")
+        if left.ndim != 1 or left.size < 2:
+            return None
+        sizes = (self.tlm.segments[sv].rows, self.tlm.segments[su].rows)
+        mean = min(left.size / max(1, np.unique(idx).size) for idx in (right, left))
+        L = int(min(RUN_MAX, 2 ** max(0, int(np.floor(np.log2(max(1.0, mean / 2)))))))
+        sides = []
+        for idx, R in zip((right, left), sizes, strict=True):
+            order = np.argsort(idx, kind="stable")
+            counts = np.bincount(idx, minlength=R)
+            runs = -(-counts // L)  # ceil
+            run_row = np.repeat(np.arange(R), runs)
+            first_run = np.concatenate([[0], np.cumsum(runs)[:-1]])
+            starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+            pos = np.arange(idx.size) - starts[idx[order]]  # position within the row
+            slot = (first_run[idx[order]] + pos // L) * L + pos % L
+            obs = np.full(run_row.size * L, -1, dtype="int64")
+            obs[slot] = order
+            weight = (obs >= 0).astype("float64")
+            # padding repeats the run's first observation (finite), weight 0
+            first = np.repeat(obs.reshape(-1, L)[:, :1], L, axis=1).reshape(-1)
+            obs = np.where(obs >= 0, obs, first)
+            sides.append([obs.reshape(-1, L), weight.reshape(-1, L), run_row])
+        P = max(side[2].size for side in sides)
+        for side in sides:
+            extra = P - side[2].size
+            if extra:
+                side[0] = np.concatenate([side[0], np.repeat(side[0][:1], extra, axis=0)])
+                side[1] = np.concatenate([side[1], np.zeros((extra, L))])
+                side[2] = np.concatenate([side[2], np.zeros(extra, dtype="int64")])
+        return [tuple(side) for side in sides]
+
+    @property
+    def n_runs(self):
+        """Runs per side of :meth:`_pieces` (the chunks' unit), or ``None``."""
+        return None if self.pieces is None else int(self.pieces[0][2].size)
+
+    @property
+    def run_length(self) -> int:
+        """Observations per run (1 without runs)."""
+        return 1 if self.pieces is None else int(self.pieces[0][0].shape[1])
+
     def mean_row_weight(self) -> float:
         """Mean of ``|O_j| / |M_j|`` over the rows with observations (the largest over
         factors and terms), clipped to ``[1, 100]``; 1 without subsampling."""
@@ -171,6 +240,31 @@ class BilinearEstimator:
                 if c.size:
                     worst = max(worst, float(np.mean(c / np.minimum(c, self.row_subsample))))
         return float(min(worst, 100.0))
+
+    def _window(self, layout) -> int:
+        """Observations per row of a row-subsampled side (:meth:`_subsample`)."""
+        counts = layout[1]
+        return min(self.row_subsample, int(max(counts.max(), 1)))
+
+    def _run_sides(self, term, sides_args, chunk, by_node):
+        """Both sides over :meth:`_pieces`' runs (restricted to ``chunk``'s runs):
+        ``_side`` outputs with each run's row."""
+        sides = []
+        for (obs, wt, runs), args in zip(self.pieces, sides_args, strict=True):
+            obs, wt, runs = pt.constant(obs), pt.constant(wt), pt.constant(runs)
+            if chunk is not None:
+                obs, runs = obs[chunk.index], runs[chunk.index]
+                wt = wt[chunk.index] * chunk.weight[:, None]
+            side = self._side(
+                term,
+                *args,
+                obs=obs.reshape((-1,)),
+                weight=wt.reshape((-1,)),
+                by_node=by_node,
+                group=self.run_length,
+            )
+            sides.append((*side[:3], runs, *side[4:]))
+        return sides
 
     def _subsample(self, layout, step=None):
         """Observation ids ``(R * B,)`` and weights ``|O_j| / |M_j|`` (0 for padding).
@@ -194,7 +288,7 @@ class BilinearEstimator:
         about a tenth of an InstEval step: lecturers have up to 633 ratings).
         """
         order, counts, starts = layout
-        B = min(self.row_subsample, int(max(counts.max(), 1)))
+        B = self._window(layout)
         n = np.maximum(counts, 1)[:, None]
         # One generator or offset per draw: two draws from one generator would give
         # both the same numbers (PyMC's compile seeds each and updates it per call).
@@ -280,37 +374,12 @@ class BilinearEstimator:
         right = {sv for _, _, sv in self.items}
         return [set(range(nseg)) - left, set(range(nseg)) - right]
 
-    def _derivatives(self, E, mean, A, alpha, beta, need_hessian):
-        """Per-observation ``g`` and ``H`` of the moving factor from the points' derivatives.
-
-        With points ``x_a = m + A e_a`` (``m``, ``A`` of the drawn factor's row) and
-        expected derivatives ``alpha_a``, ``beta_a`` (``a x n``)::
-
-            g_n = mean_a alpha_a x_a = abar m + A (E^T alpha / a)
-            H_n = mean_a beta_a x_a x_a^T
-                = bbar m m^T + m w^T + w m^T + A (E^T diag(beta) E / a) A^T,
-                  w = A (E^T beta / a)
-
-        so nothing of size ``n x a x K x K`` is formed. For sigma points
-        ``E^T diag(beta) E`` is diagonal.
-        """
-        a = E.shape[0]
+    def _row_points(self, E, draw):
+        """Points ``x_a = m + A e_a`` of every row of the drawn factor, ``(R, a, K)``
+        (``draw`` is ``(mean, A^T)``): ``a K^2`` per row, once, not per observation."""
+        mean, At = draw
         Ec = pt.constant(E)
-        g = pt.mean(alpha, axis=0)[:, None] * mean + bmv(A, pt.dot(alpha.T, Ec) / a)
-        if not need_hessian:
-            return g, None
-        w = bmv(A, pt.dot(beta.T, Ec) / a)
-        H = pt.mean(beta, axis=0)[:, None, None] * (mean[:, :, None] * mean[:, None, :])
-        H = H + mean[:, :, None] * w[:, None, :] + w[:, :, None] * mean[:, None, :]
-        K = E.shape[1]
-        if self.n_draws == "sigma":
-            gamma = (beta[:K] + beta[K:]).T * (float(K) / a)  # (n, K): E^T diag(beta) E / a
-            H = H + bmm(A * gamma[:, None, :], pt.matrix_transpose(A))
-        else:
-            outer = np.einsum("ak,al->akl", E, E).reshape(a, K * K) / a
-            G = pt.dot(beta.T, pt.constant(outer)).reshape((-1, K, K))
-            H = H + bmm(bmm(A, G), pt.matrix_transpose(A))
-        return g, H
+        return mean[:, None, :] + bmm(pt.broadcast_to(Ec, (mean.shape[0], *E.shape)), At)
 
     def _side(
         self,
@@ -320,45 +389,63 @@ class BilinearEstimator:
         exact,
         draw_rows,
         exact_rows,
-        M=None,
         obs=None,
         weight=None,
         affine=None,
         by_node=False,
         affine_at_obs=False,
+        group=None,
     ):
         """``(T, g_obs, H_obs, rows, alpha, beta)`` for the factor ``exact``, with points of
         the factor ``draw``.
 
-        ``draw`` and ``exact`` are ``(mean, A^T)`` of all rows; ``M = A_x^T A_d`` per
-        observation may be passed in (shared with the other side). ``obs`` and
-        ``weight`` restrict the observations (row subsampling). ``affine`` is the
-        mean and variance, per observation, of terms added to the product;
-        ``alpha`` and ``beta`` are then the expected derivatives per observation
-        (averaged over the points, weighted, restricted to ``obs``), else None.
+        ``draw`` is ``(mean, A^T)`` of all rows of the drawn factor, ``exact`` is
+        ``(mean, S)`` (its covariance blocks) of the factor the derivatives are for.
+        ``obs`` and ``weight`` restrict the observations (row subsampling, chunks).
+        ``affine`` is the mean and variance, per observation, of terms added to the
+        product; ``alpha`` and ``beta`` are then the expected derivatives per
+        observation (averaged over the points, weighted, restricted to ``obs``),
+        else None.
+
+        Per observation ``n`` with points ``x_a`` of its drawn row and the exact row's
+        ``m``, ``S``: ``f | x_a ~ N(x_a^T m, x_a^T S x_a)``, and with the expected
+        derivatives ``alpha_a``, ``beta_a`` of the log density at those moments::
+
+            g_n = mean_a alpha_a x_a,        H_n = mean_a beta_a x_a x_a^T
+
+        ``O(a K^2)`` flops and ``O(a K + K^2)`` memory per observation (the points
+        are formed per row of the drawn factor, not per observation).
+
+        ``group``: the observations (after ``obs``) come in runs of ``group`` of the
+        same exact row (:meth:`_pieces`, row subsampling's windows), and ``g_obs``,
+        ``H_obs`` are summed per run: ``H`` of a run is one ``K x (group a)`` by
+        ``(group a) x K`` product, and a run's sums are added into its row instead of
+        every observation's (a scatter of ``K x K`` blocks per observation is what
+        limited a compiled step: 31 us an observation at ``K = 20``).
         """
-        (md, Atd), (mx, Atx) = draw, exact
         logp, ph = term.logp, term.placeholder
         if obs is not None:
             draw_rows, exact_rows = draw_rows[obs], exact_rows[obs]
             logp, ph = self._observation_subset(term, obs)
-        md, Atd, mx, Atx = md[draw_rows], Atd[draw_rows], mx[exact_rows], Atx[exact_rows]
-        if M is None:
-            M = bmm(Atx, pt.matrix_transpose(Atd))  # A_x^T A_d
-        Ec = pt.constant(E)
-        mean = pt.sum(md * mx, axis=-1)[None, :] + pt.dot(Ec, bmv(Atd, mx).T)  # (a, n)
-        p = bmv(Atx, md)
-        if self.n_draws == "sigma":
-            # E = [c I; -c I], c = sqrt(K): ||p +- c M_k||^2 = |p|^2 +- 2 c (M^T p)_k + c^2 |M_k|^2
-            c = float(np.sqrt(E.shape[1]))
-            pp = pt.sum(pt.square(p), axis=-1)[:, None]
-            cross = 2.0 * c * pt.sum(M * p[:, :, None], axis=1)
-            cols = (c * c) * pt.sum(pt.square(M), axis=1)
-            var = pt.concatenate([pp + cross + cols, pp - cross + cols], axis=1).T
+        a, K = E.shape
+        sigma = self.n_draws == "sigma"
+        if group is None:
+            mx, Sx = exact[0][exact_rows], exact[1][exact_rows]  # per observation
+        else:  # one exact row per run (padding repeats the run's first observation)
+            first = exact_rows.reshape((-1, group))[:, 0]
+            mx, Sx = exact[0][first], exact[1][first]
+        if sigma:
+            md, At = draw[0][draw_rows], draw[1][draw_rows]  # (n, K), (n, K, K)
+            mean, var, parts = _sigma_moments(md, At, mx, Sx, group)
         else:
-            ME = pt.tensordot(M, Ec, axes=[[2], [1]])  # (n, K, a)
-            var = pt.sum(pt.square(p[:, :, None] + ME), axis=1).T
-        Ad = pt.matrix_transpose(Atd)
+            X = self._row_points(E, draw)[draw_rows]  # (n, a, K)
+            if group is not None:
+                X = X.reshape((-1, group * a, K))
+            mean = pt.sum(X * mx[:, None, :], axis=-1)
+            var = pt.sum(bmm(X, Sx) * X, axis=-1)
+            if group is not None:
+                mean, var = mean.reshape((-1, a)), var.reshape((-1, a))
+            mean, var = mean.T, var.T  # (a, n)
         if affine is not None:
             ma, va = affine if (obs is None or affine_at_obs) else (affine[0][obs], affine[1][obs])
             mean, var = mean + ma[None, :], var + va[None, :]
@@ -368,7 +455,10 @@ class BilinearEstimator:
         if weight is not None:
             T, alpha = T * weight, alpha * weight
             beta = None if beta is None else beta * weight
-        g_obs, H_obs = self._derivatives(E, md, Ad, alpha, beta, beta is not None)
+        if sigma:
+            g_obs, H_obs = _sigma_derivatives(md, At, alpha, beta, group, *parts)
+        else:
+            g_obs, H_obs = _point_derivatives(X, alpha, beta, group)
         a_obs = b_obs = None
         if affine is not None:
             a_obs = pt.mean(alpha, axis=0)
@@ -400,14 +490,14 @@ class BilinearEstimator:
 
         Notes
         -----
-        Per observation ``n`` (rows ``s`` of U and ``d`` of V), with square roots
-        ``A_u A_u^T = S_u``, ``A_v A_v^T = S_v`` and ``M = A_v^T A_u``, a point
-        ``u = m_u + A_u e`` gives ``f | u ~ N(m_v^T m_u + e^T A_u^T m_v,
-        ||A_v^T m_u + M e||^2)`` and symmetrically ``v = m_v + A_v e`` gives
-        ``N(m_u^T m_v + e^T A_v^T m_u, ||A_u^T m_v + M^T e||^2)``: without
-        subsampling one ``K x K`` product per observation serves both sides, and
-        the largest intermediates are ``n x K x K`` (memory ``O(n K^2)``, not
-        ``O(n a K^2)``).
+        Per observation ``n`` (rows ``s`` of U and ``d`` of V), a point
+        ``u_a = m_u + A_u e_a`` (``A_u A_u^T = S_u``, formed once per row of U) gives
+        ``f | u_a ~ N(u_a^T m_v, u_a^T S_v u_a)``, and symmetrically for points of
+        V: ``O(a K^2)`` flops per observation and side (:meth:`_side`), and the
+        largest intermediates are ``n x K x K`` (the gathered ``S`` and the
+        per-observation ``H``; chunks bound ``n``). An earlier form went through
+        ``M = A_v^T A_u`` and ``A (E^T diag(beta) E) A^T`` per observation,
+        ``O(K^3)``: 6x the flops at ``K = 20``, ``a = 4``.
         """
         nseg = len(states)
         grads, hessians = [None] * nseg, [None] * nseg
@@ -420,8 +510,10 @@ class BilinearEstimator:
         for k, ((term, su, sv), layout, geom) in enumerate(items):
             K = states[su].mean.type.shape[1]
             s, d = term.left_rows, term.right_rows
+            # drawn: (mean, A^T) of every row; exact: (mean, covariance blocks)
             U = (states[su].mean, self._square_root_t(states[su]))
             V = (states[sv].mean, self._square_root_t(states[sv]))
+            Ux, Vx = (states[su].mean, covs[su]), (states[sv].mean, covs[sv])
             E_u, E_v = self._points(K, 2 * k), self._points(K, 2 * k + 1)
             affine = designs = None
             if geom is not None and chunk is not None:
@@ -430,47 +522,28 @@ class BilinearEstimator:
                 designs = geom.prepare()
                 ma, va = geom.moments(means, covs, designs)
                 affine = (ma, pt.maximum(va, 0.0))
-            if chunk is not None:
-                if layout is not None or len(self.items) > 1:
-                    raise ValueError("chunks of a matrix factorization need one term, full batch")
-                obs, w = chunk.index, chunk.weight
-                M = bmm(V[1][d[obs]], pt.matrix_transpose(U[1][s[obs]]))  # A_v^T A_u
-                subsets = [(None, None), (None, None)]
-                kw = {"obs": obs, "weight": w, "affine": affine, "by_node": by_node}
-                sides = [
-                    self._side(term, E_u, U, V, s, d, M=M, affine_at_obs=True, **kw),
-                    self._side(
-                        term, E_v, V, U, d, s, M=pt.matrix_transpose(M), affine_at_obs=True, **kw
-                    ),
-                ]
-            elif layout is None:
-                M = bmm(V[1][d], pt.matrix_transpose(U[1][s]))  # A_v^T A_u
-                subsets = [(None, None), (None, None)]
-                sides = [
-                    self._side(term, E_u, U, V, s, d, M=M, affine=affine, by_node=by_node),
-                    self._side(
-                        term,
-                        E_v,
-                        V,
-                        U,
-                        d,
-                        s,
-                        M=pt.matrix_transpose(M),
-                        affine=affine,
-                        by_node=by_node,
-                    ),
-                ]
-            else:
+            sides_args = ((E_u, U, Vx, s, d), (E_v, V, Ux, d, s))  # V's side, then U's
+            subsets = [(None, None), (None, None)]
+            if self.pieces is not None:
+                sides = self._run_sides(term, sides_args, chunk, by_node)
+            elif layout is not None:
                 subsets = [self._subsample(layout[1], step), self._subsample(layout[0], step)]
-                (obs_v, w_v), (obs_u, w_u) = subsets
-                sides = [
-                    self._side(
-                        term, E_u, U, V, s, d, obs=obs_v, weight=w_v, affine=affine, by_node=by_node
-                    ),
-                    self._side(
-                        term, E_v, V, U, d, s, obs=obs_u, weight=w_u, affine=affine, by_node=by_node
-                    ),
-                ]
+                sides = []
+                for args, (obs, w), lay in zip(
+                    sides_args, subsets, (layout[1], layout[0]), strict=True
+                ):
+                    B = self._window(lay)
+                    side = self._side(
+                        term, *args, obs=obs, weight=w, affine=affine, by_node=by_node, group=B
+                    )
+                    sides.append((*side[:3], pt.arange(lay[1].size), *side[4:]))
+            else:
+                if chunk is not None and len(self.items) > 1:
+                    raise ValueError("chunks of a matrix factorization need one term, full batch")
+                kw = {"affine": affine, "by_node": by_node}
+                if chunk is not None:
+                    kw.update(obs=chunk.index, weight=chunk.weight, affine_at_obs=True)
+                sides = [self._side(term, *args, **kw) for args in sides_args]
             for i, (seg, side) in enumerate(zip((sv, su), sides, strict=True)):
                 T, g_obs, H_obs, rows, a_obs, b_obs = side
                 totals[i] = totals[i] + T
@@ -527,3 +600,95 @@ class BilinearEstimator:
             if hessians[s] is not None:
                 hessians[s] = next(picked)
         return T, T, grads, hessians
+
+
+def _point_derivatives(X, alpha, beta, group):
+    """``g`` and ``H`` per observation (or per run of ``group``) from points ``X``
+    (``(n, a, K)``, or ``(runs, group * a, K)``) and their expected derivatives
+    ``alpha``, ``beta`` ``(a, n)``: ``mean_a alpha_a x_a`` and
+    ``mean_a beta_a x_a x_a^T`` (one ``K x (group a)`` product per run)."""
+    a = alpha.shape[0]
+    al = (alpha.T / a).reshape(X.shape[:2])
+    g = pt.sum(al[:, :, None] * X, axis=1)
+    if beta is None:
+        return g, None
+    Xb = X * ((beta.T / a).reshape(X.shape[:2]))[:, :, None]
+    return g, bmm(pt.matrix_transpose(Xb), X)
+
+
+def _sigma_moments(md, At, mx, Sx, group):
+    """Moments of ``f = x^T v`` at the ``2K`` sigma points ``x = m_d +- c A_d e_k``
+    (``c = sqrt(K)``; ``At`` is ``A_d^T`` per observation) with ``v ~ N(mx, Sx)``:
+    ``(mean, var)`` ``(2K, n)`` and what the derivatives reuse.
+
+    ``mean_k = m_d . mx +- c (A_d^T mx)_k``, ``var_k = m_d^T Sx m_d +- 2 c (A_d^T Sx
+    m_d)_k + c^2 (A_d^T Sx A_d)_kk``: one ``A_d^T Sx`` product per observation (with
+    runs, one ``(group K) x K`` by ``K x K`` product per run: ``Sx`` is the run's).
+    """
+    K = md.type.shape[-1]
+    c = float(np.sqrt(K))
+    if group is None:
+        q = bmv(Sx, md)  # Sx m_d
+        ZT = bmm(At, Sx)  # A_d^T Sx
+        Amx = bmv(At, mx)
+        Aq = bmv(At, q)
+        mm = pt.sum(md * mx, axis=-1)
+    else:
+        runs = Sx.shape[0]
+        mdr = md.reshape((runs, group, K))
+        q = bmm(mdr, Sx)  # (runs, group, K): rows m_d^T Sx
+        Atr = At.reshape((runs, group * K, K))
+        ZT = bmm(Atr, Sx).reshape((-1, K, K))
+        Amx = bmv(Atr, mx).reshape((-1, K))
+        q = q.reshape((-1, K))
+        Aq = bmv(At, q)
+        mm = pt.sum(mdr * mx[:, None, :], axis=-1).reshape((-1,))
+    qq = pt.sum(md * q, axis=-1)
+    diag = pt.sum(At * ZT, axis=-1)  # (A_d^T Sx A_d)_kk
+    mean = pt.concatenate([mm[:, None] + c * Amx, mm[:, None] - c * Amx], axis=1).T
+    base = qq[:, None] + (c * c) * diag
+    var = pt.concatenate([base + 2.0 * c * Aq, base - 2.0 * c * Aq], axis=1).T
+    return mean, var, ()
+
+
+def _sigma_derivatives(md, At, alpha, beta, group):
+    """``g`` and ``H`` per observation (or per run of ``group``) at the ``2K`` sigma
+    points ``m_d +- c A_d e_k``::
+
+        g = abar m + A u,     u = c (alpha_+ - alpha_-) / a
+        H = bbar m m^T + m w^T + w m^T + A diag(gamma) A^T,
+            w = A c (beta_+ - beta_-) / a,  gamma = c^2 (beta_+ + beta_-) / a
+
+    With runs the sums over a run are products with the run's stacked ``m`` (``group
+    x K``) and ``A^T`` (``(group K) x K``): ``O(K^3)`` per observation, as one
+    product per run.
+    """
+    K = md.type.shape[-1]
+    a = 2 * K
+    c = float(np.sqrt(K))
+    abar = pt.mean(alpha, axis=0)  # (n,)
+    u = (c / a) * (alpha[:K] - alpha[K:]).T  # (n, K)
+    if group is None:
+        g = abar[:, None] * md + pt.sum(At * u[:, :, None], axis=1)
+    else:
+        runs = -1
+        Atr = At.reshape((runs, group * K, K))
+        g = pt.sum((abar[:, None] * md).reshape((runs, group, K)), axis=1) + pt.sum(
+            Atr * u.reshape((runs, group * K))[:, :, None], axis=1
+        )
+    if beta is None:
+        return g, None
+    bbar = pt.mean(beta, axis=0)
+    w = pt.sum(At * ((c / a) * (beta[:K] - beta[K:]).T)[:, :, None], axis=1)  # A (.)
+    gamma = ((c * c) / a) * (beta[:K] + beta[K:]).T  # (n, K)
+    if group is None:
+        H = bbar[:, None, None] * (md[:, :, None] * md[:, None, :])
+        H = H + md[:, :, None] * w[:, None, :] + w[:, :, None] * md[:, None, :]
+        return g, H + bmm(pt.matrix_transpose(At * gamma[:, :, None]), At)
+    mdr = md.reshape((runs, group, K))
+    wr = w.reshape((runs, group, K))
+    H = bmm(pt.matrix_transpose(mdr * bbar.reshape((runs, group))[:, :, None]), mdr)
+    MW = bmm(pt.matrix_transpose(mdr), wr)
+    H = H + MW + pt.matrix_transpose(MW)
+    Atg = Atr * gamma.reshape((runs, group * K))[:, :, None]
+    return g, H + bmm(pt.matrix_transpose(Atg), Atr)

@@ -5,7 +5,8 @@ row given a point of the other's is one-dimensional; the points are sigma points
 or fixed draws (:mod:`~pymc_mcssvi.estimators.bilinear`). The factors move in turn
 (two phases), each judged by its own side's estimate of the bound, so the term's
 :class:`~pymc_mcssvi.terms.base.TermStats` carries one value per phase. Chunks are
-chunks of the observations (full batch, one bilinear term).
+chunks of runs of one row's observations (full batch, one bilinear term; of the
+observations when terms are added to the product).
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ class BilinearTerms(Term):
         self.name = ", ".join(t.name for t, _, _ in estimator.items)
         self.n_obs = None
         items = estimator.items
-        if len(items) == 1 and estimator.row_subsample is None:
+        if estimator.n_runs is not None:  # chunks of runs of one row's observations
+            self.n_obs = estimator.n_runs
+        elif len(items) == 1 and estimator.row_subsample is None:
             ((term, _, _),) = items
             shape = term.left_rows.type.shape
             if shape and shape[0] is not None:
@@ -57,9 +60,15 @@ class BilinearTerms(Term):
         return TermStats(stats.value, grads, hessians, stats.crosses, phase_values)
 
     def bytes_per_observation(self, scans: bool = True) -> float:
-        """Per observation: the ``K x K`` product shared by both sides, each side's
-        quadrature at its points and its ``K x K`` Hessian contribution."""
+        """Per observation and side: the gathered ``K x K`` covariance and the ``K x K``
+        Hessian contribution, the points and their products (``a x K`` each), and the
+        quadrature at the points; times the observations of a run when chunks are runs
+        of one row's observations."""
         est = self.estimator
         K = max(est.tlm.segments[su].k for _, su, _ in est.items)
         points = 2 * K if est.n_draws == "sigma" else est.n_draws
-        return 8.0 * (4 * K * K + 2 * points * est.n_points * 6 + 4 * points)
+        return (
+            est.run_length
+            * 8.0
+            * (4 * K * K + 8 * points * K + 2 * points * est.n_points * 6 + 8 * points)
+        )

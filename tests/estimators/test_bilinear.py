@@ -534,3 +534,96 @@ def test_vecdot_spelling_under_an_ordered_likelihood_is_bilinear(rng):
             observed=rng.integers(0, 4, n),
         )
     assert describe(m).predictor("y") == "bilinear"
+
+
+def _numpy_sides(s, d, y, mu, Su, mv, Sv, n_points, E_u, E_v):
+    """Per-observation reference of the V and U sides at the 2K sigma points (Bernoulli-logit,
+    Gauss-Hermite in f): values, g and H per row."""
+    from numpy.polynomial.hermite_e import hermegauss
+
+    x, wq = hermegauss(n_points)
+    wq = wq / wq.sum()
+    K = mu.shape[1]
+    out = []
+    sides = (((mu, Su, s, E_u), (mv, Sv, d)), ((mv, Sv, d, E_v), (mu, Su, s)))
+    for (md, Sd, rows_d, E), (mx, Sx, rows_x) in sides:
+        # the plugin's square root of S = (L L^T)^-1 under the precision parameterization
+        A = np.linalg.inv(np.linalg.cholesky(np.linalg.inv(Sd))).transpose(0, 2, 1)
+        T = 0.0
+        g, H = np.zeros_like(mx), np.zeros((len(mx), K, K))
+        for n in range(len(y)):
+            i, j = rows_d[n], rows_x[n]
+            for e in E:
+                p = md[i] + A[i] @ e
+                mean, sd = p @ mx[j], np.sqrt(p @ Sx[j] @ p)
+                f = mean + sd * x
+                sig = expit(f)
+                T += wq @ (y[n] * f - np.logaddexp(0, f)) / len(E)
+                g[j] += (wq @ (y[n] - sig)) * p / len(E)
+                H[j] -= (wq @ (sig * (1 - sig))) * np.outer(p, p) / len(E)
+        out.append((T, g, H))
+    return out
+
+
+@pytest.mark.parametrize("draws", ["sigma", 4])
+@pytest.mark.parametrize("chunk", [None, 3])
+def test_runs_of_a_row_give_the_per_observation_sums(rng, chunk, draws):
+    """The bilinear term's statistics over runs of one row's observations (uneven rows,
+    padded runs, optionally summed over chunks of runs) equal a per-observation NumPy
+    reference at the sigma points or fixed draws."""
+    import pytensor
+
+    from pymc_mcssvi.families.gaussian import GaussianBlocks
+    from pymc_mcssvi.terms.base import Chunk
+
+    R, C, K, n = 9, 6, 3, 70
+    s = np.concatenate([np.zeros(20, int), rng.integers(1, R, n - 20)])  # a long row
+    d = rng.integers(0, C, n)
+    y = rng.integers(0, 2, n)
+    with pm.Model():
+        U = pm.Normal("U", 0, 1, shape=(R, K))
+        V = pm.Normal("V", 0, 1, shape=(C, K))
+        pm.Bernoulli("y", logit_p=(U[s] * V[d]).sum(-1), observed=y)
+        inf = pymc_mcssvi.HMCSSVI(random_seed=0, bilinear_draws=draws)
+    bound = inf.kernel.bound
+    est = bound.bilinear
+    assert est.run_length > 1 and est.n_runs < n  # runs, not observations
+    mu, mv = rng.normal(size=(R, K)), rng.normal(size=(C, K))
+    Su = np.stack([np.cov(rng.normal(size=(K, 3 * K))) * 0.3 for _ in range(R)])
+    Sv = np.stack([np.cov(rng.normal(size=(K, 3 * K))) * 0.3 for _ in range(C)])
+
+    # precision parameterization: the factor is chol(S^-1)
+    def shared(x):
+        return pytensor.shared(x, shape=x.shape)
+
+    def chol_prec(S):
+        return np.linalg.cholesky(np.linalg.inv(S))
+
+    states = [
+        GaussianBlocks(shared(mu), shared(chol_prec(Su))),
+        GaussianBlocks(shared(mv), shared(chol_prec(Sv))),
+    ]
+    covs = [shared(Su), shared(Sv)]
+    if chunk is None:
+        T_v, T_u, g, H = est.expectations(states, covs)
+        got = pytensor.function([], [T_v, T_u, *g, *H])()
+    else:
+        idx = pytensor.tensor.vector(dtype="int64", shape=(chunk,))
+        w = pytensor.tensor.vector(shape=(chunk,))
+        T_v, T_u, g, H = est.expectations(states, covs, chunk=Chunk(idx, w))
+        f = pytensor.function([idx, w], [T_v, T_u, *g, *H])
+        from pymc_mcssvi.estimators.chunks import chunk_layout
+
+        index, weight = chunk_layout(est.n_runs, chunk)
+        got = [
+            sum(x)
+            for x in zip(*(f(i, wt) for i, wt in zip(index, weight, strict=True)), strict=True)
+        ]
+    E_u, E_v = est._points(K, 0), est._points(K, 1)
+    (Tv, gv, Hv), (Tu, gu, Hu) = _numpy_sides(s, d, y, mu, Su, mv, Sv, est.n_points, E_u, E_v)
+    np.testing.assert_allclose(got[0], Tv, rtol=1e-10)
+    np.testing.assert_allclose(got[1], Tu, rtol=1e-10)
+    np.testing.assert_allclose(got[2], gu, rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(got[3], gv, rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(got[4], Hu, rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(got[5], Hv, rtol=1e-9, atol=1e-12)

@@ -190,18 +190,21 @@ class BilinearEstimator:
         if left.ndim != 1 or left.size < 2:
             return None
         sizes = (self.tlm.segments[sv].rows, self.tlm.segments[su].rows)
-        mean = min(left.size / max(1, np.unique(idx).size) for idx in (right, left))
+        all_counts = [
+            np.bincount(idx, minlength=R) for idx, R in zip((right, left), sizes, strict=True)
+        ]
+        mean = min(left.size / max(1, np.count_nonzero(c)) for c in all_counts)
         L = int(min(RUN_MAX, 2 ** max(0, int(np.floor(np.log2(max(1.0, mean / 2)))))))
         sides = []
-        for idx, R in zip((right, left), sizes, strict=True):
+        for idx, R, counts in zip((right, left), sizes, all_counts, strict=True):
             order = np.argsort(idx, kind="stable")
-            counts = np.bincount(idx, minlength=R)
             runs = -(-counts // L)  # ceil
             run_row = np.repeat(np.arange(R), runs)
             first_run = np.concatenate([[0], np.cumsum(runs)[:-1]])
             starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
-            pos = np.arange(idx.size) - starts[idx[order]]  # position within the row
-            slot = (first_run[idx[order]] + pos // L) * L + pos % L
+            rows = idx[order]
+            pos = np.arange(idx.size) - starts[rows]  # position within the row
+            slot = (first_run[rows] + pos // L) * L + pos % L
             obs = np.full(run_row.size * L, -1, dtype="int64")
             obs[slot] = order
             weight = (obs >= 0).astype("float64")

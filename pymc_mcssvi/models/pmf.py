@@ -98,7 +98,9 @@ def pmf(
             su = sv = prior_sd
         U = pm.Normal("U", 0.0, su, dims=("row", "factor"))
         V = pm.Normal("V", 0.0, sv, dims=("col", "factor"))
-        f = (U[rows] * V[cols]).sum(-1)
+        # tensors, not arrays: PyTensor walks a NumPy index element by element in Python
+        # when it checks it for booleans (800,000 ratings: 1.6 s per gather)
+        f = (U[pt.as_tensor(rows)] * V[pt.as_tensor(cols)]).sum(-1)
         kw = {"observed": y, "total_size": total_size}
         if likelihood == "bernoulli":
             pm.Bernoulli("y", logit_p=f, **kw)

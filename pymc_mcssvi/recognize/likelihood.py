@@ -558,7 +558,7 @@ def bilinear_term(
         if len(shape) != 2 or t.vals is not None or t.ndim not in (2, 3):
             return None
         try:
-            cols = np.asarray(t.cols.eval(mode="FAST_COMPILE"))
+            cols = np.asarray(evaluate_static([t.cols])[0])
         except Exception:
             return None
         if cols.ndim != t.ndim + 1 or cols.shape[-1] != 1:
@@ -614,7 +614,9 @@ def _gathered_by_column(cols, shape) -> bool | None:
         if np.prod(cols.shape[1:]) != K:
             continue
         flat = cols.reshape(cols.shape[0], K)
-        if np.array_equal(flat - flat[:, :1], np.broadcast_to(step * np.arange(K), flat.shape)):
+        # column by column: no (n, K) temporaries (800,000 x 20 positions: 2.2 -> 0.1 s)
+        first = flat[:, 0]
+        if all(np.all(flat[:, k] - first == step * k) for k in range(1, K)):
             return by_column
     return None
 

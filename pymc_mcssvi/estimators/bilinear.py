@@ -187,8 +187,8 @@ class BilinearEstimator:
         except Exception:  # rows that change (pm.Minibatch)
             return None
         left, right = np.asarray(left, "int64"), np.asarray(right, "int64")
-        if left.ndim != 1 or left.size < 2:
-            return None
+        if left.ndim != 1 or left.size < 2 or right.shape != left.shape:
+            return None  # (indices of different lengths are named later, at the step)
         sizes = (self.tlm.segments[sv].rows, self.tlm.segments[su].rows)
         all_counts = [
             np.bincount(idx, minlength=R) for idx, R in zip((right, left), sizes, strict=True)

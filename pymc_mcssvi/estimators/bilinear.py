@@ -439,7 +439,7 @@ class BilinearEstimator:
             mx, Sx = exact[0][first], exact[1][first]
         if sigma:
             md, At = draw[0][draw_rows], draw[1][draw_rows]  # (n, K), (n, K, K)
-            mean, var, parts = _sigma_moments(md, At, mx, Sx, group)
+            mean, var = _sigma_moments(md, At, mx, Sx, group)
         else:
             X = self._row_points(E, draw)[draw_rows]  # (n, a, K)
             if group is not None:
@@ -459,7 +459,7 @@ class BilinearEstimator:
             T, alpha = T * weight, alpha * weight
             beta = None if beta is None else beta * weight
         if sigma:
-            g_obs, H_obs = _sigma_derivatives(md, At, alpha, beta, group, *parts)
+            g_obs, H_obs = _sigma_derivatives(md, At, alpha, beta, group)
         else:
             g_obs, H_obs = _point_derivatives(X, alpha, beta, group)
         a_obs = b_obs = None
@@ -622,7 +622,7 @@ def _point_derivatives(X, alpha, beta, group):
 def _sigma_moments(md, At, mx, Sx, group):
     """Moments of ``f = x^T v`` at the ``2K`` sigma points ``x = m_d +- c A_d e_k``
     (``c = sqrt(K)``; ``At`` is ``A_d^T`` per observation) with ``v ~ N(mx, Sx)``:
-    ``(mean, var)`` ``(2K, n)`` and what the derivatives reuse.
+    ``(mean, var)``, each ``(2K, n)``.
 
     ``mean_k = m_d . mx +- c (A_d^T mx)_k``, ``var_k = m_d^T Sx m_d +- 2 c (A_d^T Sx
     m_d)_k + c^2 (A_d^T Sx A_d)_kk``: one ``A_d^T Sx`` product per observation (with
@@ -651,7 +651,7 @@ def _sigma_moments(md, At, mx, Sx, group):
     mean = pt.concatenate([mm[:, None] + c * Amx, mm[:, None] - c * Amx], axis=1).T
     base = qq[:, None] + (c * c) * diag
     var = pt.concatenate([base + 2.0 * c * Aq, base - 2.0 * c * Aq], axis=1).T
-    return mean, var, ()
+    return mean, var
 
 
 def _sigma_derivatives(md, At, alpha, beta, group):

@@ -15,6 +15,7 @@ from pymc_mcssvi import models
 from pymc_mcssvi.distributions import Rayleigh
 from pymc_mcssvi.exceptions import DivergenceError, UnsupportedModelError
 from pymc_mcssvi.pymc.approximation import StructuredApproximation
+from pymc_mcssvi.pymc.dask_data import dask_data
 from pymc_mcssvi.pymc.diagnostics import Diagnosis, PSISWarning
 from pymc_mcssvi.pymc.inference import HMCSSVI, MCSSVI, SDSVI, StructuredVI
 from pymc_mcssvi.pymc.load import load
@@ -35,6 +36,7 @@ __all__ = [
     "StructuredApproximation",
     "StructuredVI",
     "UnsupportedModelError",
+    "dask_data",
     "describe",
     "load",
     "models",

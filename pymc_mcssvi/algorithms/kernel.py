@@ -43,7 +43,7 @@ from pymc_mcssvi.families.gaussian import (
 )
 from pymc_mcssvi.terms.base import Chunk, add_to
 
-__all__ = ["MAX_COUPLED_HYPERS", "StepKernel"]
+__all__ = ["MAX_COUPLED_HYPERS", "ExternalPart", "StepKernel"]
 
 #: Largest number of mean-field hyperparameter coordinates whose step is coupled with
 #: q(w)'s mean step (one extra blockwise solve per coordinate).
@@ -63,6 +63,14 @@ class Part(NamedTuple):
     haux: object
     rgrads: object
     n_values: int
+
+
+class ExternalPart(NamedTuple):
+    """The :class:`Part` of the terms ``terms`` (indices into the bound's terms),
+    computed outside the step: :meth:`StepKernel.step`'s ``external``."""
+
+    terms: tuple
+    part: Part
 
 
 def _flatten_part(part: Part):
@@ -266,7 +274,7 @@ class StepKernel:
         return (phase + 1) % self.n_phases
 
     def step(
-        self, state: KernelState, by_node: bool = False, inner_mode=None
+        self, state: KernelState, by_node: bool = False, inner_mode=None, external=None
     ) -> tuple[KernelState, StepInfo]:
         """One iteration as a graph: the new state and the :class:`StepInfo`.
 
@@ -276,21 +284,27 @@ class StepKernel:
         value, the objective its gradients belong to. ``by_node`` sums
         one-dimensional quadratures a node at a time (a JAX step); ``inner_mode`` is
         the compile mode of the scans that reduce chunked terms (the backend's own).
+        ``external`` is a :class:`Part` of some terms computed outside the step (their
+        indices: ``external.terms``), e.g. summed over the chunks of a Dask array
+        (:meth:`chunk_statistics`); the step evaluates the other terms itself.
         """
         alg = self.algorithm
         nseg = self.nseg
         cand = [GaussianBlocks(m, f) for m, f in zip(*state.cand, strict=True)]
-        plan = self.chunk_plan()
-        if not plan:
+        outside = set(external.terms) if external is not None else set()
+        plan = {i: n for i, n in self.chunk_plan().items() if i not in outside}
+        if not plan and not outside:
             part = self._evaluate(state, by_node)
         else:
             # the terms split into chunks are reduced chunk by chunk; the rest, the
             # entropies and the KL divergences are evaluated once
-            rest = [i for i in range(len(self.bound.terms)) if i not in plan]
+            rest = [i for i in range(len(self.bound.terms)) if i not in plan and i not in outside]
             parts = [self._evaluate(state, by_node, terms=rest)]
             parts += [
                 self._reduced_term(state, by_node, i, size, inner_mode) for i, size in plan.items()
             ]
+            if external is not None:
+                parts.append(external.part)
             part = _sum_parts(parts)
         outs, finite, haux, rgrads = part.outs, part.finite, part.haux, part.rgrads
         n_values = part.n_values
@@ -495,6 +509,26 @@ class StepKernel:
         if self.rayleighs is not None:
             rgrads = self.rayleighs.gradients(state.rayleigh, outs[0])
         return Part(list(outs), finite, haux, rgrads, n_values)
+
+    def chunk_statistics(self, state, terms, size: int, by_node: bool = False, mode=None):
+        """The :class:`Part` of the terms ``terms`` on a chunk of ``size`` observations,
+        the first ``size`` of each term's observation axis, as a flat list of outputs.
+
+        Returns ``(weight, flat, rebuild)``: the chunk's weight vector ``(size,)`` (an
+        input: 0 for padding), the outputs (the finiteness as int8: chunks combine by
+        minimum, everything else by sum) and the function that rebuilds a
+        :class:`Part` from such a list (of sums). With the data of the terms replaced
+        by a chunk's arrays this is the map of a map-reduce over the data's chunks,
+        whose reduction the step takes as ``external``.
+        """
+        weight = pt.vector("chunk_weight", dtype="float64", shape=(size,))
+        chunk = Chunk(pt.arange(size, dtype="int64"), weight)
+        parts = [self._evaluate(state, by_node, terms=[i], chunk=chunk, mode=mode) for i in terms]
+        flat, rebuild = _flatten_part(_sum_parts(parts))
+        for x in flat:
+            if None in x.type.shape:
+                raise ValueError("chunk statistics: an output of unknown shape")
+        return weight, flat, rebuild
 
     def _batches_parts(self) -> bool:
         """Whether the evaluation is batched over q(h)'s sigma points or the Rayleigh

@@ -340,9 +340,11 @@ def is_jax_mode(backend, compile_kwargs) -> bool:
 
 
 def compile_step(
-    kernel, store, model, backend, compile_kwargs, random_seed, switch=None
+    kernel, store, model, backend, compile_kwargs, random_seed, switch=None, external=None
 ) -> StepFunction:
-    """Compile ``kernel``'s step over the shared state ``store`` for ``backend``.
+    """Compile ``kernel``'s step over the shared state ``store`` for ``backend``
+    (``external``: the :class:`~pymc_mcssvi.algorithms.kernel.ExternalPart` of terms
+    whose statistics the caller computes, e.g. over a Dask array's chunks).
 
     ``backend="python"`` gives an :class:`UpgradingStep` (the plugin's own Python
     modes; ``switch``: see there), JAX a :class:`HostStateStep`, numba and C a plain
@@ -359,7 +361,9 @@ def compile_step(
     # costs compilation time and memory
     by_node = jax and not kernel.chunk_plan()
     with graph_building():
-        new_state, info = kernel.step(store.symbolic, by_node=by_node, inner_mode=inner)
+        new_state, info = kernel.step(
+            store.symbolic, by_node=by_node, inner_mode=inner, external=external
+        )
         outputs, updates = list(info), store.updates(new_state)
     if backend == "python":
 

@@ -60,6 +60,7 @@ from pymc_mcssvi.pymc.approximation import (
     StructuredApproximation,
     StructuredGaussianGroup,
 )
+from pymc_mcssvi.pymc.dask_data import DaskStep, dask_statistics
 from pymc_mcssvi.pymc.fit_warnings import (
     check_hyper_size,
     warn_collapsed_scales,
@@ -389,6 +390,9 @@ class StructuredVI(Inference):
             #: in the shared variables the compiled step updates.
             self.store = SharedState(self.kernel.init_state(q0.means, factors), "fit")
             self._start = (q0.means, factors)
+            #: The data terms summed over the chunks of Dask arrays
+            #: (:func:`~pymc_mcssvi.pymc.dask_data.dask_data`), or ``None``.
+            self._dask = dask_statistics(self.kernel, self.store, self.model)
             warn_uncoupled_hypers(self.tlm, self.kernel)
             warn_split_crossed(self.tlm, self.kernel)
             if linear_response is None and local_scale_hypers(self.tlm):
@@ -404,7 +408,9 @@ class StructuredVI(Inference):
             self._local_moments = None
             self._leaf_params = initial_leaf_params(self.tlm.leaves) if self.tlm.leaves else None
             self._approx = self._make_approximation()
-            self._posterior = self._make_posterior()
+            # q(h)'s profile re-evaluates the bound on the data, which a model with
+            # Dask data holds one chunk of: such a fit keeps q(h) from its iterations
+            self._posterior = self._make_posterior() if self._dask is None else None
 
     def _make_algorithm(self, mean_optimizer, factor_optimizer):
         mo = (
@@ -677,9 +683,18 @@ class StructuredVI(Inference):
         return fn
 
     def _compile(self, backend, compile_kwargs, switch=None):
-        return compile_step(
-            self.kernel, self.store, self.model, backend, compile_kwargs, self.random_seed, switch
+        dask = self._dask
+        fn = compile_step(
+            self.kernel,
+            self.store,
+            self.model,
+            backend,
+            compile_kwargs,
+            self.random_seed,
+            switch,
+            external=dask.external if dask is not None else None,
         )
+        return DaskStep(dask, fn) if dask is not None else fn
 
     def _switch_to_jax(self, compile_kwargs, fallback):
         """The JAX step that an automatically chosen ``"python"`` step hands over to
@@ -806,6 +821,12 @@ class StructuredVI(Inference):
             )
         if not (diagnose is True or diagnose is False or diagnose == "auto"):
             raise ValueError(f"diagnose must be True, False or 'auto', got {diagnose!r}")
+        if diagnose is True and self._dask is not None:
+            raise ValueError(
+                "diagnose=True: the PSIS diagnosis needs the model's log density on all the "
+                "data, and a model with Dask data holds one chunk of it; fit with "
+                "diagnose='auto' (which skips it) or False"
+            )
         if n is not None and not _is_positive_int(n):
             raise ValueError(f"n must be a positive integer (number of iterations), got {n!r}")
         if not _is_positive_int(max_iter):
@@ -920,6 +941,10 @@ class StructuredVI(Inference):
         warn_collapsed_scales(self.model, self.tlm, self.kernel, self.store.get())
         warn_improper_posterior(self.model, self.tlm, self.approx)
         approx = self.finish(include_transformed, blas_threads)
+        if self._dask is not None and diagnose is not False:
+            # the model's own log density holds the Dask data's first chunk only
+            logger.info("The PSIS diagnosis is skipped: the data are in Dask arrays")
+            diagnose = False
         approx.diagnosis = diagnostics.after_fit(approx, diagnose, self.random_seed)
         return approx
 

@@ -945,6 +945,11 @@ class StructuredVI(Inference):
             # the model's own log density holds the Dask data's first chunk only
             logger.info("The PSIS diagnosis is skipped: the data are in Dask arrays")
             diagnose = False
+        if self._dask is not None and self._marginal is not None:
+            logger.info(
+                "q(h) stays the fit's Gaussian (hyper_marginal='gaussian'): its post-fit "
+                "profile would re-evaluate the bound on all the data, in Dask arrays"
+            )
         approx.diagnosis = diagnostics.after_fit(approx, diagnose, self.random_seed)
         return approx
 

@@ -37,7 +37,14 @@ from pymc_mcssvi.backend.compile import StepFunction
 from pymc_mcssvi.backend.modes import python_step_mode
 from pymc_mcssvi.exceptions import UnsupportedModelError
 
-__all__ = ["ChunkStatistics", "DaskStatistics", "DaskStep", "dask_data", "dask_statistics"]
+__all__ = [
+    "ChunkStatistics",
+    "DaskStatistics",
+    "DaskStep",
+    "dask_data",
+    "dask_statistics",
+    "has_dask_data",
+]
 
 #: The Dask array behind each container made by :func:`dask_data`.
 _ARRAYS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -140,8 +147,9 @@ class ChunkStatistics:
     its graph once per process and thread (a compiled PyTensor function is not safe
     to call from two threads at once).
 
-    ``fn(state_values, *arrays)`` pads a short last chunk (repeating its first row,
-    at weight 0) and returns the flat statistics (:meth:`StepKernel.chunk_statistics`).
+    ``fn(state_values, scale, *arrays)`` pads a short last chunk (repeating its first
+    row, at weight 0), weights the chunk's rows by ``scale`` and returns the flat
+    statistics (:meth:`StepKernel.chunk_statistics`).
     """
 
     def __init__(self, inputs, outputs, size: int):
@@ -171,7 +179,7 @@ class ChunkStatistics:
         for key in [k for k in _FUNCTIONS if k[0] == self.token]:
             del _FUNCTIONS[key]
 
-    def __call__(self, state_values, *arrays):
+    def __call__(self, state_values, scale, *arrays):
         # PyMC's containers may narrow the dtype (integer data as int32); arrays that
         # a distributed worker received can be unaligned views of its network buffers
         arrays = [
@@ -181,7 +189,7 @@ class ChunkStatistics:
         state_values = [np.require(v, requirements="A") for v in state_values]
         rows = arrays[0].shape[0]
         weight = np.zeros(self.size)
-        weight[:rows] = 1.0
+        weight[:rows] = scale
         if rows < self.size:
             arrays = [
                 np.concatenate([a, np.repeat(a[:1], self.size - rows, axis=0)]) for a in arrays
@@ -220,7 +228,7 @@ class DaskStatistics:
     :attr:`chunk` over the chunks at the store's current candidate and reduces.
     """
 
-    def __init__(self, kernel, store, arrays: dict):
+    def __init__(self, kernel, store, arrays: dict, batch=None, random_seed=None):
         da = _dask_array_module()
         self.store = store
         self.data = list(arrays)
@@ -245,6 +253,10 @@ class DaskStatistics:
                 f"array.rechunk({{0: {max(chunks)}}}), before dask_data"
             )
         self.n_rows, self.n_chunks, self.size = n, len(chunks), size
+        self.rows = np.asarray(chunks)
+        #: Chunks read per iteration (``None``: all of them).
+        self.batch = None if batch is None or batch >= len(chunks) else int(batch)
+        self.rng = np.random.default_rng(random_seed)
         self.blocks = [a.to_delayed().reshape(-1) for a in aligned]
         dask_vars = set(self.data)
         leaves = tree_leaves(store.symbolic)
@@ -308,7 +320,12 @@ class DaskStatistics:
 
         state = dask.delayed(list(state_values), traverse=False)
         fn = dask.delayed(self.chunk, pure=True)
-        parts = [fn(state, *[b[k] for b in self.blocks]) for k in range(self.n_chunks)]
+        if self.batch is None:
+            chosen, scale = range(self.n_chunks), 1.0
+        else:
+            chosen = np.sort(self.rng.choice(self.n_chunks, self.batch, replace=False))
+            scale = self.n_rows / float(self.rows[chosen].sum())
+        parts = [fn(state, scale, *[b[k] for b in self.blocks]) for k in chosen]
         (total,) = dask.compute(_tree_sum(parts))
         return total
 
@@ -339,10 +356,15 @@ class DaskStep(StepFunction):
         return self.inner()
 
 
-def dask_statistics(kernel, store, model) -> DaskStatistics | None:
+def has_dask_data(model) -> bool:
+    """Whether ``model`` has :func:`dask_data` containers."""
+    return any(v in _ARRAYS for v in model.data_vars)
+
+
+def dask_statistics(kernel, store, model, batch=None, random_seed=None) -> DaskStatistics | None:
     """The :class:`DaskStatistics` of a fit whose model has :func:`dask_data`
-    containers, else ``None``."""
+    containers, else ``None`` (``batch``: chunks per iteration, see there)."""
     arrays = {v: _ARRAYS[v] for v in model.data_vars if v in _ARRAYS}
     if not arrays:
         return None
-    return DaskStatistics(kernel, store, arrays)
+    return DaskStatistics(kernel, store, arrays, batch=batch, random_seed=random_seed)

@@ -60,7 +60,7 @@ from pymc_mcssvi.pymc.approximation import (
     StructuredApproximation,
     StructuredGaussianGroup,
 )
-from pymc_mcssvi.pymc.dask_data import DaskStep, dask_statistics
+from pymc_mcssvi.pymc.dask_data import DaskStep, dask_statistics, has_dask_data
 from pymc_mcssvi.pymc.fit_warnings import (
     check_hyper_size,
     warn_collapsed_scales,
@@ -208,6 +208,13 @@ class StructuredVI(Inference):
         factorizations of millions of ratings, the Monte Carlo path's draws). This
         option forces every such likelihood into chunks of this many observations
         (the same results up to rounding); ``None`` chooses by the memory budget.
+    dask_batch : int, optional
+        Data in Dask arrays (:func:`~pymc_mcssvi.pymc.dask_data.dask_data`): the
+        number of the arrays' chunks each iteration reads, drawn at random (without
+        replacement) and weighted by the rows of all over the rows drawn; a Zarr
+        store is then read a few chunks at a time. The bound estimate is stochastic:
+        schedules, the iterates' average and the stopping rule are those of
+        ``pm.Minibatch``. ``None`` (default) reads every chunk (full batch).
     n_starts : int
         Full-batch fits: run the fit from this many starts and keep the one with the
         best bound (the same draws, so the bounds compare). The first start is the
@@ -261,6 +268,7 @@ class StructuredVI(Inference):
         chunk_size=None,
         polish=True,
         n_starts=1,
+        dask_batch=None,
     ):
         #: The constructor's options (what :func:`~pymc_mcssvi.pymc.persist.save` records
         #: to build the same inference again).
@@ -305,8 +313,16 @@ class StructuredVI(Inference):
                     "row_subsample applies to matrix factorization (bilinear predictors); "
                     "this model has none: use pm.Minibatch to subsample its rows"
                 )
+            if dask_batch is not None and not has_dask_data(self.model):
+                raise ValueError(
+                    "dask_batch applies to data in Dask arrays (pymc_mcssvi.dask_data); this "
+                    "model has none: use pm.Minibatch to subsample its rows"
+                )
+            self._dask_batch = dask_batch
             # Subsampled bounds are stochastic: schedules and stopping as for minibatches.
-            minibatch = self.stochastic = self.tlm.minibatch or row_subsample is not None
+            minibatch = self.stochastic = (
+                self.tlm.minibatch or row_subsample is not None or dask_batch is not None
+            )
             if fixed_draws is None:
                 fixed_draws = not minibatch
             if n_starts > 1 and minibatch:
@@ -392,7 +408,9 @@ class StructuredVI(Inference):
             self._start = (q0.means, factors)
             #: The data terms summed over the chunks of Dask arrays
             #: (:func:`~pymc_mcssvi.pymc.dask_data.dask_data`), or ``None``.
-            self._dask = dask_statistics(self.kernel, self.store, self.model)
+            self._dask = dask_statistics(
+                self.kernel, self.store, self.model, batch=dask_batch, random_seed=random_seed
+            )
             warn_uncoupled_hypers(self.tlm, self.kernel)
             warn_split_crossed(self.tlm, self.kernel)
             if linear_response is None and local_scale_hypers(self.tlm):
@@ -1102,7 +1120,7 @@ class StructuredVI(Inference):
         """Whether q is the average of the iterates: fits on ``pm.Minibatch`` data (with
         ``row_subsample`` alone the factorizations' iterates still drift, and their
         average was no closer to the full-batch fit)."""
-        return bool(self.stochastic and self.tlm.minibatch)
+        return bool(self.stochastic and (self.tlm.minibatch or self._dask_batch is not None))
 
     def _after_step(self, info, iteration):
         if self._averaged:
@@ -1142,9 +1160,11 @@ class StructuredVI(Inference):
         :data:`POLISH_MAX_ITER`). Returns that fit's approximation (its ``hist`` and
         ``converged``), or ``None`` when the full data's q has another layout.
         """
-        full = full_data_model(self.model)
+        # Dask data are all there: the same model, every chunk at each step
+        full = self.model if self._dask_batch is not None else full_data_model(self.model)
         options = {
             **self.options,
+            "dask_batch": None,
             "polish": False,
             "schedule": "auto",
             "rho0": None,
@@ -1249,6 +1269,11 @@ def check_options(options: dict, model) -> None:
         raise ValueError(
             "chunk_size must be a positive integer (observations per chunk) or None, "
             f"got {options['chunk_size']!r}"
+        )
+    if options["dask_batch"] is not None and not _is_positive_int(options["dask_batch"]):
+        raise ValueError(
+            "dask_batch must be a positive integer (chunks of the Dask data per iteration) or "
+            f"None, got {options['dask_batch']!r}"
         )
     draws = options["bilinear_draws"]
     if draws != "sigma" and not _is_positive_int(draws):

@@ -183,3 +183,34 @@ def test_a_cluster_with_a_worker_killed_mid_fit(data, glm_reference):
         approx = _fit(model, callbacks=[kill_one])
         assert killed
     _same_fit(approx, glm_reference)
+
+
+def test_dask_batch_reads_a_few_chunks_and_lands_on_the_full_fit(data, glm_reference):
+    """``dask_batch=2`` of the 5 chunks: each iteration reads 2 chunks (counted on
+    the array), the stochastic steps come near the full-batch q and the full-data
+    steps after them (``polish``) land on it."""
+    X, _, y = data
+    reads = []
+
+    def counted(block):
+        reads.append(block.shape[0])
+        return block
+
+    Xc = da.from_array(X, chunks=(C, P)).map_blocks(counted, dtype=X.dtype)
+    with pm.Model() as model:
+        Xd = mc.dask_data("X", Xc)
+        yd = mc.dask_data("y", da.from_array(y, chunks=C))
+        w = pm.Normal("w", 0, 1, shape=P)
+        pm.Bernoulli("obs", logit_p=Xd @ w, observed=yd)
+    _, mean, std = glm_reference
+    reads.clear()
+    rough = pm.fit(
+        20, method="hmcssvi", model=model, progressbar=False, dask_batch=2, random_seed=3, tol=None
+    )
+    assert len(reads) == 2 * 20
+    assert np.all(np.abs(rough.mean.eval() - mean) < 1.0 * std)
+    polished = pm.fit(method="hmcssvi", model=model, progressbar=False, dask_batch=2, random_seed=3)
+    np.testing.assert_allclose(polished.mean.eval(), mean, atol=1e-3 * std.min())
+    np.testing.assert_allclose(polished.std.eval(), std, rtol=1e-3)
+    with pytest.raises(ValueError, match="dask_batch applies to data in Dask arrays"):
+        pm.fit(method="hmcssvi", model=_glm(*data, _in_memory), dask_batch=2)

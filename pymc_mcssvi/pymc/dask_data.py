@@ -19,6 +19,7 @@ imports it only when a model uses it.
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import weakref
 
@@ -33,7 +34,7 @@ from pytensor.tensor.random.type import RandomType
 
 from pymc_mcssvi.algorithms.kernel import ExternalPart
 from pymc_mcssvi.algorithms.state import StepInfo, tree_leaves
-from pymc_mcssvi.backend.compile import StepFunction
+from pymc_mcssvi.backend.compile import StepFunction, jax_step_mode
 from pymc_mcssvi.backend.modes import python_step_mode
 from pymc_mcssvi.exceptions import UnsupportedModelError
 
@@ -51,6 +52,8 @@ _ARRAYS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 #: Compiled chunk functions of this process, by (token, thread).
 _FUNCTIONS: dict = {}
 _TOKENS = itertools.count()
+
+logger = logging.getLogger("pymc_mcssvi")
 
 
 def _dask_array_module():
@@ -152,27 +155,39 @@ class ChunkStatistics:
     statistics (:meth:`StepKernel.chunk_statistics`).
     """
 
-    def __init__(self, inputs, outputs, size: int):
+    def __init__(self, inputs, outputs, size: int, backend: str = "python"):
         self.inputs = list(inputs)
         self.outputs = list(outputs)
         self.size = int(size)
+        #: ``"jax"`` or ``"python"`` (NumPy-level operations): the fit's step's backend.
+        self.backend = backend
         self.token = f"mcssvi-chunk-{next(_TOKENS)}-{id(self)}"
 
     def __getstate__(self):
         return dict(self.__dict__)
 
     def __dask_tokenize__(self):
-        return self.token
+        return (self.token, self.backend)
 
-    def function(self):
-        key = (self.token, threading.get_ident())
+    def function(self, backend=None):
+        backend = backend or self.backend
+        key = (self.token, backend, threading.get_ident())
         fn = _FUNCTIONS.get(key)
         if fn is None:
-            fn = pytensor.function(
-                self.inputs, self.outputs, mode=python_step_mode(), on_unused_input="ignore"
-            )
+            mode = jax_step_mode() if backend == "jax" else python_step_mode()
+            fn = pytensor.function(self.inputs, self.outputs, mode=mode, on_unused_input="ignore")
             _FUNCTIONS[key] = fn
         return fn
+
+    def _run(self, *args):
+        if self.backend != "jax":
+            return self.function()(*args)
+        try:  # JAX compiles, and traces on the first call
+            return self.function()(*args)
+        except Exception as err:  # noqa: BLE001  (JAX's errors share no base class)
+            logger.info("JAX cannot run the chunk statistics (%s); using NumPy", err)
+            _FUNCTIONS[(self.token, "jax", threading.get_ident())] = self.function("python")
+            return self.function("python")(*args)
 
     def release(self):
         """Forget this process's compiled copies."""
@@ -194,7 +209,7 @@ class ChunkStatistics:
             arrays = [
                 np.concatenate([a, np.repeat(a[:1], self.size - rows, axis=0)]) for a in arrays
             ]
-        out = self.function()(*state_values, *arrays, weight)
+        out = self._run(*state_values, *arrays, weight)
         return [np.array(o) for o in out]
 
 
@@ -343,6 +358,10 @@ class DaskStep(StepFunction):
         self.stats = stats
         self.inner = inner
 
+    def __call__(self) -> StepInfo:
+        self.stats.update()
+        return self.inner()
+
     @property
     def fn(self):
         return self.inner.fn
@@ -350,10 +369,6 @@ class DaskStep(StepFunction):
     @property
     def store(self):
         return self.stats.store
-
-    def __call__(self) -> StepInfo:
-        self.stats.update()
-        return self.inner()
 
 
 def has_dask_data(model) -> bool:

@@ -214,3 +214,12 @@ def test_dask_batch_reads_a_few_chunks_and_lands_on_the_full_fit(data, glm_refer
     np.testing.assert_allclose(polished.std.eval(), std, rtol=1e-3)
     with pytest.raises(ValueError, match="dask_batch applies to data in Dask arrays"):
         pm.fit(method="hmcssvi", model=_glm(*data, _in_memory), dask_batch=2)
+
+
+def test_chunks_on_jax(data, glm_reference):
+    """``backend="jax"``: the chunks' function is compiled with JAX (the step on their
+    sums too); the same fit."""
+    pytest.importorskip("jax")
+    approx = _fit(_glm(*data, _dask), backend="jax")
+    assert approx.inference._dask.chunk.backend == "jax"
+    _same_fit(approx, glm_reference)

@@ -159,12 +159,11 @@ class ChunkStatistics:
         self.inputs = list(inputs)
         self.outputs = list(outputs)
         self.size = int(size)
-        #: ``"jax"`` or ``"python"`` (NumPy-level operations): the fit's step's backend.
+        #: ``"jax"`` or ``"python"`` (NumPy-level operations), chosen by the fit.
         self.backend = backend
         self.token = f"mcssvi-chunk-{next(_TOKENS)}-{id(self)}"
-
-    def __getstate__(self):
-        return dict(self.__dict__)
+        # this process's compiled copies go with the object (workers keep theirs)
+        weakref.finalize(self, _release, self.token)
 
     def __dask_tokenize__(self):
         return (self.token, self.backend)
@@ -189,11 +188,6 @@ class ChunkStatistics:
             _FUNCTIONS[(self.token, "jax", threading.get_ident())] = self.function("python")
             return self.function("python")(*args)
 
-    def release(self):
-        """Forget this process's compiled copies."""
-        for key in [k for k in _FUNCTIONS if k[0] == self.token]:
-            del _FUNCTIONS[key]
-
     def __call__(self, state_values, scale, *arrays):
         # PyMC's containers may narrow the dtype (integer data as int32); arrays that
         # a distributed worker received can be unaligned views of its network buffers
@@ -211,6 +205,12 @@ class ChunkStatistics:
             ]
         out = self._run(*state_values, *arrays, weight)
         return [np.array(o) for o in out]
+
+
+def _release(token):
+    """Forget this process's compiled copies of the chunk function ``token``."""
+    for key in [k for k in _FUNCTIONS if k[0] == token]:
+        del _FUNCTIONS[key]
 
 
 def _combine(a, b):

@@ -52,6 +52,8 @@ _ARRAYS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 #: Compiled chunk functions of this process, by (token, thread).
 _FUNCTIONS: dict = {}
 _TOKENS = itertools.count()
+#: Held while a chunk function compiles (see :meth:`ChunkStatistics.function`).
+_COMPILING = threading.Lock()
 
 logger = logging.getLogger("pymc_mcssvi")
 
@@ -173,8 +175,14 @@ class ChunkStatistics:
         key = (self.token, backend, threading.get_ident())
         fn = _FUNCTIONS.get(key)
         if fn is None:
-            mode = jax_step_mode() if backend == "jax" else python_step_mode()
-            fn = pytensor.function(self.inputs, self.outputs, mode=mode, on_unused_input="ignore")
+            # one compilation at a time: PyTensor sets its global ``config.mode`` while it
+            # rewrites, and two threads' nested settings can leave the JAX mode behind
+            # for every later compilation of the process
+            with _COMPILING:
+                mode = jax_step_mode() if backend == "jax" else python_step_mode()
+                fn = pytensor.function(
+                    self.inputs, self.outputs, mode=mode, on_unused_input="ignore"
+                )
             _FUNCTIONS[key] = fn
         return fn
 

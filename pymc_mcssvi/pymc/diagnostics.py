@@ -517,6 +517,13 @@ def _data_size(model) -> int:
             total += np.size(value.get_value(borrow=True))
         elif isinstance(value, TensorConstant):
             total += np.size(value.data)
+        elif all(d is not None for d in value.type.shape):
+            # data cast to the variable's dtype (integer pm.Data as int32 observing an
+            # int64 variable): its static shape
+            total += int(np.prod(value.type.shape, dtype=np.int64))
         else:
-            total += 100_000
+            try:
+                total += int(np.prod(value.shape.eval()))
+            except Exception:  # noqa: BLE001  (a shape that needs free inputs)
+                total += 100_000
     return max(1, int(total))

@@ -13,6 +13,7 @@ import signal
 
 import numpy as np
 import pymc as pm
+import pytensor
 import pytest
 
 import pymc_mcssvi as mc
@@ -220,6 +221,11 @@ def test_chunks_on_jax(data, glm_reference):
     """``backend="jax"``: the chunks' function is compiled with JAX (the step on their
     sums too); the same fit."""
     pytest.importorskip("jax")
+    mode = pytensor.config.mode
     approx = _fit(_glm(*data, _dask), backend="jax")
     assert approx.inference._dask.chunk.backend == "jax"
     _same_fit(approx, glm_reference)
+    # two worker threads compiling at once could leave PyTensor's global mode at
+    # JAX's (its rewriting sets it): then .eval() returned JAX arrays
+    assert pytensor.config.mode == mode
+    assert type(approx.mean.eval()) is np.ndarray

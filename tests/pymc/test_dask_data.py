@@ -229,3 +229,30 @@ def test_chunks_on_jax(data, glm_reference):
     # JAX's (its rewriting sets it): then .eval() returned JAX arrays
     assert pytensor.config.mode == mode
     assert type(approx.mean.eval()) is np.ndarray
+
+
+def test_an_interrupt_keeps_the_last_state_and_the_fit_resumes(data, glm_reference):
+    """Ctrl-C while the chunks of the fourth iteration are computed: the fit returns
+    with the three accepted iterations, and ``fit()`` again goes on from there to
+    the uninterrupted fit."""
+    X, _, y = data
+    reads = []
+
+    def interrupting(block):
+        reads.append(1)
+        if len(reads) == 1 + 5 * 3 + 2:  # the first chunk (dask_data), 3 iterations, 2 more
+            raise KeyboardInterrupt
+        return block
+
+    with pm.Model() as model:
+        Xd = mc.dask_data(
+            "X", da.from_array(X, chunks=(C, P)).map_blocks(interrupting, dtype=X.dtype)
+        )
+        yd = mc.dask_data("y", da.from_array(y, chunks=C))
+        w = pm.Normal("w", 0, 1, shape=P)
+        pm.Bernoulli("obs", logit_p=Xd @ w, observed=yd)
+    inference = mc.HMCSSVI(model=model, hyper_marginal="gaussian")
+    stopped = inference.fit(progressbar=False)
+    assert len(stopped.hist) == 3
+    np.testing.assert_allclose(stopped.hist, glm_reference[0][:3], rtol=1e-9)
+    _same_fit(inference.fit(progressbar=False), glm_reference)

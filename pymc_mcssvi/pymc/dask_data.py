@@ -27,7 +27,6 @@ import numpy as np
 import pymc as pm
 import pytensor
 import pytensor.tensor as pt
-from pytensor.compile.sharedvalue import SharedVariable
 from pytensor.graph.replace import graph_replace
 from pytensor.graph.traversal import ancestors
 from pytensor.tensor.random.type import RandomType
@@ -49,7 +48,7 @@ __all__ = [
 
 #: The Dask array behind each container made by :func:`dask_data`.
 _ARRAYS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-#: Compiled chunk functions of this process, by (token, thread).
+#: Compiled chunk functions of this process, by (token, backend, thread).
 _FUNCTIONS: dict = {}
 _TOKENS = itertools.count()
 #: Held while a chunk function compiles (see :meth:`ChunkStatistics.function`).
@@ -252,23 +251,12 @@ class DaskStatistics:
     """
 
     def __init__(self, kernel, store, arrays: dict, batch=None, random_seed=None):
-        da = _dask_array_module()
         self.store = store
+        # dask_data gave every array the first one's length and row chunks
         self.data = list(arrays)
         first = arrays[self.data[0]]
         n, chunks = first.shape[0], first.chunks[0]
         size = int(self.data[0].type.shape[0])
-        aligned = []
-        for var in self.data:
-            a = arrays[var]
-            if a.shape[0] != n:
-                raise ValueError(
-                    f"dask_data {var.name!r} has {a.shape[0]} rows where {self.data[0].name!r} "
-                    f"has {n}: the arrays of a model are read row chunk by row chunk together"
-                )
-            if a.chunks[0] != chunks:
-                a = a.rechunk({0: chunks})
-            aligned.append(a)
         if max(chunks) > size:
             raise ValueError(
                 f"dask_data {self.data[0].name!r}: a chunk of {max(chunks)} rows is longer than "
@@ -280,7 +268,7 @@ class DaskStatistics:
         #: Chunks read per iteration (``None``: all of them).
         self.batch = None if batch is None or batch >= len(chunks) else int(batch)
         self.rng = np.random.default_rng(random_seed)
-        self.blocks = [a.to_delayed().reshape(-1) for a in aligned]
+        self.blocks = [arrays[v].to_delayed().reshape(-1) for v in self.data]
         dask_vars = set(self.data)
         leaves = tree_leaves(store.symbolic)
         reads = []
@@ -301,13 +289,14 @@ class DaskStatistics:
                 f"no likelihood term reads the Dask data {[v.name for v in self.data]}"
             )
         weight, flat, rebuild = kernel.chunk_statistics(store.symbolic, reads, size)
-        state_in = [leaf for leaf in leaves if leaf in set(ancestors(flat))]
-        for leaf in state_in:
-            if isinstance(leaf.type, RandomType):
-                raise UnsupportedModelError(
-                    "a likelihood term that reads Dask data draws random numbers "
-                    "(a Monte Carlo estimator): not supported with Dask data yet"
-                )
+        inputs = set(ancestors(flat))
+        if any(isinstance(v.type, RandomType) for v in inputs):
+            # the state's generators and the terms' own
+            raise UnsupportedModelError(
+                "a likelihood term that reads Dask data draws random numbers "
+                "(a Monte Carlo estimator): not supported with Dask data yet"
+            )
+        state_in = [leaf for leaf in leaves if leaf in inputs]
         state_vars = [leaf.type(name=leaf.name) for leaf in state_in]
         data_vars = [
             pt.tensor(f"{v.name}_chunk", dtype=v.dtype, shape=v.type.shape) for v in self.data
@@ -315,15 +304,6 @@ class DaskStatistics:
         replace = dict(zip(state_in, state_vars, strict=True))
         replace.update(zip(self.data, data_vars, strict=True))
         flat = graph_replace(flat, replace, strict=False)
-        left = [
-            v
-            for v in ancestors(flat)
-            if isinstance(v, SharedVariable) and isinstance(v.type, RandomType)
-        ]
-        if left:
-            raise UnsupportedModelError(
-                "a likelihood term that reads Dask data draws random numbers: not supported"
-            )
         self.state_in = state_in
         self.chunk = ChunkStatistics([*state_vars, *data_vars, weight], flat, size)
         self.sums = [
@@ -334,7 +314,6 @@ class DaskStatistics:
         ]
         self.external = ExternalPart(tuple(reads), rebuild(self.sums))
         self.terms = tuple(kernel.bound.terms[i].name for i in reads)
-        self._da = da
 
     def compute(self, state_values):
         """The data terms' statistics summed over every chunk, at ``state_values``

@@ -318,7 +318,6 @@ class StructuredVI(Inference):
                     "dask_batch applies to data in Dask arrays (pymc_mcssvi.dask_data); this "
                     "model has none: use pm.Minibatch to subsample its rows"
                 )
-            self._dask_batch = dask_batch
             # Subsampled bounds are stochastic: schedules and stopping as for minibatches.
             minibatch = self.stochastic = (
                 self.tlm.minibatch or row_subsample is not None or dask_batch is not None
@@ -1131,7 +1130,9 @@ class StructuredVI(Inference):
         """Whether q is the average of the iterates: fits on ``pm.Minibatch`` data (with
         ``row_subsample`` alone the factorizations' iterates still drift, and their
         average was no closer to the full-batch fit)."""
-        return bool(self.stochastic and (self.tlm.minibatch or self._dask_batch is not None))
+        return bool(
+            self.stochastic and (self.tlm.minibatch or self.options["dask_batch"] is not None)
+        )
 
     def _after_step(self, info, iteration):
         if self._averaged:
@@ -1172,7 +1173,8 @@ class StructuredVI(Inference):
         ``converged``), or ``None`` when the full data's q has another layout.
         """
         # Dask data are all there: the same model, every chunk at each step
-        full = self.model if self._dask_batch is not None else full_data_model(self.model)
+        dask_batch = self.options["dask_batch"] is not None
+        full = self.model if dask_batch else full_data_model(self.model)
         options = {
             **self.options,
             "dask_batch": None,

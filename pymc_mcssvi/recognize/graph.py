@@ -30,6 +30,9 @@ __all__ = [
     "checks_to_ninf",
     "remove_checks",
     "shape64",
+    "check_static_data",
+    "static_data_shapes",
+    "static_data_twins",
     "static_shape",
 ]
 
@@ -232,6 +235,69 @@ def static_shape(var: Variable) -> tuple[int, ...]:
 
 
 _SEPARABLE_OPS = (Elemwise, DimShuffle, Alloc, SpecifyShape)
+
+
+def static_data_shapes(graphs: list[Variable]) -> list[Variable]:
+    """``graphs`` rebuilt on twins of their data of unknown static shape (``pm.Data``
+    without ``shape=``) that have the current values' shapes.
+
+    A twin is a shared variable of the static type over the same storage (container):
+    it reads the same values, and ``pm.set_data`` reaches it, while every node built on
+    it knows its shape. Recognition then sees ``n`` observations, not ``None``, and a
+    likelihood too large for one evaluation is reduced chunk by chunk
+    (:meth:`~pymc_mcssvi.bounds.structured.StructuredBound.chunk_sizes`) instead of
+    materializing per-observation arrays of all its rows. A fit built this way
+    assumes the data keep their shapes (:func:`check_static_data`); ``graphs`` are
+    returned as they are when all their data have static shapes.
+
+    Examples
+    --------
+    >>> import numpy as np, pytensor
+    >>> x = pytensor.shared(np.zeros((5, 2)), name="x")
+    >>> x.type.shape
+    (None, None)
+    >>> (y,) = static_data_shapes([(x * 2.0).sum(-1)])
+    >>> y.type.shape
+    (5,)
+    """
+    replace = {}
+    for v in graph_inputs(graphs):
+        if not isinstance(v, TensorSharedVariable) or None not in v.type.shape:
+            continue
+        shape = np.shape(v.get_value(borrow=True))
+        if len(shape) != v.ndim:
+            continue
+        twin = TensorSharedVariable(
+            type=v.type.clone(shape=shape),
+            value=None,
+            strict=None,
+            container=v.container,
+            name=v.name,
+        )
+        twin.tag.static_twin_of = v
+        replace[v] = twin
+    if not replace:
+        return list(graphs)
+    return list(clone_replace(list(graphs), replace=replace, rebuild_strict=False))
+
+
+def static_data_twins(graphs) -> list[Variable]:
+    """The twins made by :func:`static_data_shapes` among the inputs of ``graphs``."""
+    return [v for v in graph_inputs(graphs) if hasattr(v.tag, "static_twin_of")]
+
+
+def check_static_data(twins) -> None:
+    """Raise ``ValueError`` when data that :func:`static_data_shapes` fixed to their
+    shapes (``twins``) have changed shape since (``pm.set_data`` with a different
+    length between the fit's construction and a continued fit)."""
+    for v in twins:
+        shape = np.shape(v.get_value(borrow=True))
+        if shape != v.type.shape:
+            raise ValueError(
+                f"the data {v.name!r} changed shape from {v.type.shape} to {shape} after "
+                "the fit was built, which fixed its shape; build a new fit (pm.fit, or a new "
+                "inference object) for the new data"
+            )
 
 
 def is_separable(logp: Variable, placeholder: Variable) -> bool:

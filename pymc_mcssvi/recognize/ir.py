@@ -338,6 +338,9 @@ class TwoLevelModel:
     #: Recognition's note when q keeps crossed (or nested) factors' effect vectors in
     #: independent segments (empty when one full covariance holds them).
     split_crossed_note: str = ""
+    #: Twins of the likelihoods' data with their shapes fixed at recognition
+    #: (:func:`~pymc_mcssvi.recognize.graph.static_data_shapes`).
+    static_data: tuple = ()
 
     @property
     def affine_predictors(self) -> list[PredictorTerm]:

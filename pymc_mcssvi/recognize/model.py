@@ -35,6 +35,7 @@ from pymc_mcssvi.recognize.graph import (
     gather_index,
     remove_checks,
     shape64,
+    static_data_twins,
 )
 from pymc_mcssvi.recognize.ir import (
     ConstantTerm,
@@ -327,6 +328,7 @@ def _recognize(model, cov, bound, inner, n_inner) -> TwoLevelModel:
         bilinear_terms=bilinear_terms,
         pair_terms=pair_terms,
         split_crossed_note=crossed_note,
+        static_data=tuple(static_data_twins(list(roles.observed_logps.values()))),
     )
     if general_terms:
 

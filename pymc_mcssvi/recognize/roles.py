@@ -77,6 +77,7 @@ from pymc_mcssvi.recognize.graph import (
     is_separable,
     lift_gathers,
     remove_checks,
+    static_data_shapes,
 )
 from pymc_mcssvi.recognize.ir import (
     GaussianGlobal,
@@ -206,6 +207,8 @@ class Roles:
 def _observed_logps(model):
     obs = list(model.observed_RVs)
     lps = model.logp(vars=obs, sum=False) if obs else []  # one call: each rewrites the graph
+    # pm.Data without shape=: the likelihoods see the data's current shapes
+    lps = static_data_shapes(lps)
     # gathers below element-wise links: invlogit(mu + s * z)[g] reads as a gather GLM
     return {
         o: lift_gathers(float64_constants(remove_checks(lp)))

@@ -490,7 +490,9 @@ def test_shapes_that_do_not_fit_are_named_not_a_numpy_traceback():
         X = pm.Data("X", rng.normal(size=(100, 3)))
         b = pm.Normal("b", 0, 1, shape=4)
         pm.Normal("y", X @ b, 1.0, observed=rng.normal(size=100))
-        with pytest.raises(UnsupportedModelError, match=r"'y': its log density cannot be (built or )?evalu"):
+        with pytest.raises(
+            UnsupportedModelError, match=r"'y': its log density cannot be (built or )?evalu"
+        ):
             pm.fit(method="hmcssvi", progressbar=False)
 
 

@@ -30,6 +30,19 @@ iterations, the worker's peak RSS (``VmHWM``), the held-out NLL per observation
 to ``dask_threads``'s. The 1-minute load average is recorded at each worker's start
 and end.
 
+Traces (issue 52's 10M x 100 targets): the plugin's callback records each iteration's
+time, -ELBO (``losses[-1]``), resident memory and q's mean and sd (``approx.mean`` /
+``approx.std``); a Dask callback records each ``dask.compute`` (one per pass over
+the data, threaded scheduler only); ADVI's q is read every ``ADVI_SNAP`` steps and
+NumPyro's after each block of 500 steps (the time spent reading q is subtracted from
+the times). After the fit each snapshot's held-out NLL is computed on
+``TRACE_DRAWS`` draws with common random numbers, giving an NLL-vs-time curve per
+method; ``dask_tight`` is the Dask threads fit with ``tol=TIGHT_TOL`` (a better
+optimum bound). The renderer derives passes to ``|bound - bound_opt| / |bound_opt|
+<= 1e-4``, the bound difference threads vs LocalCluster per common iteration, and
+each method's time to ``nll <= 1.001 x`` the best snapshot NLL of all methods.
+``numpyro`` reads Zarr into a JAX array chunk by chunk (held once), ADVI into NumPy.
+
 Run ``python benchmarks/scale.py`` (N = 1,000,000, p = 20) or
 ``python benchmarks/scale.py --n 4000000 --p 100 --methods dask_threads,advi,numpyro,memory``;
 ``--report-only`` re-renders the docs section from the saved results. Raw results:
@@ -63,15 +76,30 @@ N_TEST = 100_000
 W_SD = 0.3
 SEED = 0
 DRAWS = 200
+TRACE_DRAWS = 50  # draws per snapshot of the NLL-vs-time curves (fixed normals, seed TRACE_SEED)
+TRACE_SEED = 7
+BOUND_REL = 1e-4  # passes to |bound - bound_opt| / |bound_opt| <= BOUND_REL
+NLL_REL = 1e-3  # time to nll <= (1 + NLL_REL) * best held-out NLL of all methods
+ADVI_SNAP = 500  # ADVI steps between snapshots of q
 ADVI_BATCH = 5_000
 ADVI_STEPS = 30_000
 NUMPYRO_BATCH = 10_000
 NUMPYRO_STEPS = 20_000
 NUMPYRO_LR = 0.01
-METHODS = ("dask_threads", "dask_cluster", "memory", "memory_nodiag", "advi", "numpyro")
-PLUGIN = ("dask_threads", "dask_cluster", "memory", "memory_nodiag")
+METHODS = (
+    "dask_threads",
+    "dask_tight",
+    "dask_cluster",
+    "memory",
+    "memory_nodiag",
+    "advi",
+    "numpyro",
+)
+PLUGIN = ("dask_threads", "dask_tight", "dask_cluster", "memory", "memory_nodiag")
+TIGHT_TOL = 1e-10
 LABELS = {
     "dask_threads": "plugin, Dask threads (Zarr)",
+    "dask_tight": f"plugin, Dask threads (Zarr), `tol={TIGHT_TOL:g}`",
     "dask_cluster": "plugin, Dask LocalCluster 2 x 1 (Zarr)",
     "memory": "plugin, pm.Data in memory",
     "memory_nodiag": "plugin, pm.Data in memory, `diagnose=False`",
@@ -125,6 +153,26 @@ def load(d: Path, name: str) -> np.ndarray:
     return np.asarray(zarr.open_array(str(d / f"{name}.zarr"), mode="r")[...])
 
 
+def load_jax(d: Path, name: str):
+    """A Zarr array read into a JAX array chunk by chunk: written in place (a donated
+    buffer), so it is held once (``jnp.asarray`` of the NumPy array held it 3 times at
+    the peak: the NumPy array and two copies)."""
+    import jax
+    import jax.numpy as jnp
+    import zarr
+
+    z = zarr.open_array(str(d / f"{name}.zarr"), mode="r")
+    out = jnp.zeros(z.shape, dtype=z.dtype)
+    put = jax.jit(
+        lambda a, b, i: jax.lax.dynamic_update_slice(a, b, (i,) + (0,) * (a.ndim - 1)),
+        donate_argnums=0,
+    )
+    step = z.chunks[0]
+    for start in range(0, z.shape[0], step):
+        out = put(out, jnp.asarray(z[start : start + step]), start)
+    return out.block_until_ready()
+
+
 # ------------------------------------------------------------------------ workers
 class Watchdog:
     """Ends the worker (after writing what it has) at the wall-clock or memory cap."""
@@ -132,13 +180,19 @@ class Watchdog:
     def __init__(self, out: dict, path: str, cap_s: float, rss_cap_mb: float):
         self.out, self.path, self.cap_s, self.rss_cap_mb = out, path, cap_s, rss_cap_mb
         self.t0 = time.perf_counter()
+        # (seconds since the worker started, resident MB) every 2 s: where memory peaks
+        self.out["rss_trace"] = []
         threading.Thread(target=self._run, daemon=True).start()
 
     def _run(self):
+        k = 0
         while True:
             time.sleep(0.5)
             elapsed = time.perf_counter() - self.t0
             rss = vmrss_mb()
+            k += 1
+            if k % 4 == 0:
+                self.out["rss_trace"].append((round(elapsed, 1), round(rss)))
             why = None
             if elapsed > self.cap_s:
                 why = f"cap hit: stopped after {elapsed:.0f} s (cap {self.cap_s:.0f} s)"
@@ -161,6 +215,21 @@ def _draws_nll(draws, d) -> float:
     )
 
 
+def snapshot_nlls(snaps: list, d: Path) -> list:
+    """Held-out NLL of each snapshot ``(t, step, mean, sd)`` of a mean-field q, on
+    ``TRACE_DRAWS`` draws ``mean + sd * z`` with the same ``z`` for every snapshot and
+    method (seed ``TRACE_SEED``); computed after the fit, outside the timed region."""
+    Xt, yt = load(d, "test_X"), load(d, "test_y")
+    z = None
+    out = []
+    for t, step, mean, sd in snaps:
+        mean, sd = np.asarray(mean, dtype="float64"), np.asarray(sd, dtype="float64")
+        if z is None:
+            z = np.random.default_rng(TRACE_SEED).standard_normal((TRACE_DRAWS, mean.size))
+        out.append((t, step, common.heldout_nll(mean + sd * z, Xt, yt)))
+    return out
+
+
 def _vmhwm_here():
     with open("/proc/self/status") as f:
         for line in f:
@@ -176,6 +245,10 @@ def run_plugin(method: str, d: Path, n: int, p: int, out: dict) -> None:
 
     t0 = time.perf_counter()
     times = []
+    # per iteration: (seconds, iteration, -ELBO, q's mean, q's sd); the seconds exclude
+    # the time spent reading q here (eval_s)
+    snaps, bounds, rss = [], [], []
+    eval_s = [0.0]
     out["phase"] = "model"
     with pm.Model() as model:
         if method.startswith("memory"):
@@ -195,9 +268,38 @@ def run_plugin(method: str, d: Path, n: int, p: int, out: dict) -> None:
     out["model_s"] = time.perf_counter() - t0
 
     def cb(approx, losses, i):
-        times.append(time.perf_counter() - t0)
+        now = time.perf_counter()
+        times.append(now - t0)
+        t = now - t0 - eval_s[0]
+        bounds.append(float(np.asarray(losses)[-1]))
+        rss.append(round(vmrss_mb()))
+        mean = np.asarray(approx.mean.eval(), dtype="float64").tolist()
+        sd = np.asarray(approx.std.eval(), dtype="float64").tolist()
+        snaps.append((t, int(i), mean, sd))
+        eval_s[0] += time.perf_counter() - now
         out["iterations"] = len(times)
         out["iteration_times"] = times
+        out["iteration_bounds"] = bounds
+        out["iteration_rss_mb"] = rss
+        out["snapshots"] = snaps
+        out["snapshot_eval_s"] = eval_s[0]
+
+    # every Dask graph computed on the local (threaded) scheduler: one per pass over
+    # the data; (start, end) in seconds since t0 (not seen with a distributed Client)
+    passes = []
+    out["dask_passes"] = passes
+    dask_cb = None
+    if method.startswith("dask") and method != "dask_cluster":
+        from dask.callbacks import Callback
+
+        def _start(dsk):
+            passes.append([round(time.perf_counter() - t0, 3), None])
+
+        def _finish(dsk, state, errored):
+            passes[-1][1] = round(time.perf_counter() - t0, 3)
+
+        dask_cb = Callback(start=_start, finish=_finish)
+        dask_cb.register()
 
     out["phase"] = "fit"
     client = cluster = None
@@ -212,16 +314,21 @@ def run_plugin(method: str, d: Path, n: int, p: int, out: dict) -> None:
     try:
         # diagnose="auto" (the default) skips the PSIS diagnosis with Dask data
         kw = {"diagnose": False} if method == "memory_nodiag" else {}
+        if method == "dask_tight":
+            kw = {"tol": TIGHT_TOL}
         approx = pm.fit(method="hmcssvi", model=model, progressbar=False, callbacks=[cb], **kw)
         out["seconds"] = time.perf_counter() - t0
         out["peak_mb"] = vmhwm_mb()
         if client is not None:
             out["worker_peak_mb"] = client.run(_vmhwm_here)
     finally:
+        if dask_cb is not None:
+            dask_cb.unregister()
         if client is not None:
             client.close()
             cluster.close()
     out["phase"] = "evaluate"
+    out["fit_seconds_net"] = out["seconds"] - eval_s[0]
     out["iterations"] = int(approx.n_iter)
     out["converged"] = approx.converged
     out["first_iteration_s"] = times[0] if times else None
@@ -233,9 +340,11 @@ def run_plugin(method: str, d: Path, n: int, p: int, out: dict) -> None:
     out["sd"] = np.asarray(approx.std.eval()).tolist()
     w = approx.sample(DRAWS, random_seed=1).posterior["w"].values
     out["nll"] = _draws_nll(w, d)
+    out["phase"] = "evaluate snapshots"
+    out["snapshot_nll"] = snapshot_nlls(snaps, d)
 
 
-def run_advi(d: Path, n: int, p: int, out: dict, cap_s: float) -> None:
+def run_advi(d: Path, n: int, p: int, out: dict, cap_s: float, n_steps: int, seed: int = 0) -> None:
     import pymc as pm
 
     t0 = time.perf_counter()
@@ -250,29 +359,48 @@ def run_advi(d: Path, n: int, p: int, out: dict, cap_s: float) -> None:
     out["model_s"] = time.perf_counter() - t0
     stop_at = 0.95 * cap_s
     count = [0]
+    snaps, eval_s = [], [0.0]
+    out["snapshots"] = snaps
 
     def cb(approx, losses, i):
         count[0] += 1
         out["iterations"] = count[0]
-        if time.perf_counter() - t0 > stop_at:
+        now = time.perf_counter()
+        if count[0] == 1 or count[0] % ADVI_SNAP == 0:
+            # q's mean and sd every ADVI_SNAP steps; the time reading them is excluded
+            mean = np.asarray(approx.mean.eval(), dtype="float64").tolist()
+            sd = np.asarray(approx.std.eval(), dtype="float64").tolist()
+            snaps.append((now - t0 - eval_s[0], count[0], mean, sd))
+            eval_s[0] += time.perf_counter() - now
+            out["snapshot_eval_s"] = eval_s[0]
+        if now - t0 > stop_at:
             raise StopIteration(f"time cap {stop_at:.0f} s")
 
     out["phase"] = "fit"
+    out["steps_asked"] = n_steps
+    out["random_seed"] = seed
     approx = pm.fit(
-        ADVI_STEPS, method="advi", model=model, callbacks=[cb], random_seed=0, progressbar=False
+        n_steps, method="advi", model=model, callbacks=[cb], random_seed=seed, progressbar=False
     )
     out["seconds"] = time.perf_counter() - t0
+    out["fit_seconds_net"] = out["seconds"] - eval_s[0]
+    mean = np.asarray(approx.mean.eval(), dtype="float64").tolist()
+    sd = np.asarray(approx.std.eval(), dtype="float64").tolist()
+    snaps.append((out["fit_seconds_net"], count[0], mean, sd))
     out["peak_mb"] = vmhwm_mb()
     out["iterations"] = count[0]
-    out["stopped_by_cap"] = count[0] < ADVI_STEPS
+    out["stopped_by_cap"] = count[0] < n_steps
     out["final_loss"] = float(np.mean(approx.hist[-500:]))
     out["phase"] = "evaluate"
+    del X, y
     w = approx.sample(DRAWS, random_seed=1).posterior["w"].values
     out["mean"] = w.reshape(DRAWS, -1).mean(0)
     out["nll"] = _draws_nll(w, d)
+    out["phase"] = "evaluate snapshots"
+    out["snapshot_nll"] = snapshot_nlls(snaps, d)
 
 
-def run_numpyro(d: Path, n: int, p: int, out: dict, cap_s: float) -> None:
+def run_numpyro(d: Path, n: int, p: int, out: dict, cap_s: float, n_steps: int) -> None:
     import numpyro
 
     numpyro.enable_x64()
@@ -284,8 +412,9 @@ def run_numpyro(d: Path, n: int, p: int, out: dict, cap_s: float) -> None:
 
     t0 = time.perf_counter()
     out["phase"] = "load"
-    X, y = jnp.asarray(load(d, "X")), jnp.asarray(load(d, "y"))
+    X, y = load_jax(d, "X"), load_jax(d, "y")
     out["load_s"] = time.perf_counter() - t0
+    out["peak_mb_after_load"] = vmhwm_mb()
 
     # The plate's own subsampling (subsample_size alone) draws a permutation of all N
     # rows at every step (77 ms a step at N = 300,000 here); the indices are drawn
@@ -315,9 +444,22 @@ def run_numpyro(d: Path, n: int, p: int, out: dict, cap_s: float) -> None:
 
     key = jax.random.PRNGKey(2)
     out["phase"] = "fit"
+    out["steps_asked"] = n_steps
     stop_at = 0.95 * cap_s
     done, losses = 0, []
-    while done < NUMPYRO_STEPS and time.perf_counter() - t0 < stop_at:
+    snaps, eval_s = [], [0.0]
+    out["snapshots"] = snaps
+
+    def snapshot():
+        # q's mean and sd after each block (AutoNormal's loc and scale of w)
+        now = time.perf_counter()
+        params = svi.get_params(state)
+        mean = np.asarray(params["w_auto_loc"], dtype="float64").tolist()
+        sd = np.asarray(params["w_auto_scale"], dtype="float64").tolist()
+        snaps.append((now - t0 - eval_s[0], done, mean, sd))
+        eval_s[0] += time.perf_counter() - now
+
+    while done < n_steps and time.perf_counter() - t0 < stop_at:
         key, sub = jax.random.split(key)
         state, loss = steps(state, sub, X, y)
         if done == 0:
@@ -326,17 +468,22 @@ def run_numpyro(d: Path, n: int, p: int, out: dict, cap_s: float) -> None:
         done += block
         losses.append(float(jnp.mean(loss)))
         out["iterations"] = done
+        snapshot()
     out["seconds"] = time.perf_counter() - t0
+    out["fit_seconds_net"] = out["seconds"] - eval_s[0]
     out["peak_mb"] = vmhwm_mb()
     out["iterations"] = done
-    out["stopped_by_cap"] = done < NUMPYRO_STEPS
+    out["stopped_by_cap"] = done < n_steps
     out["final_loss"] = losses[-1]
     out["phase"] = "evaluate"
     params = svi.get_params(state)
     w = guide.sample_posterior(jax.random.PRNGKey(1), params, sample_shape=(DRAWS,))["w"]
     w = np.asarray(w)
     out["mean"] = w.mean(0)
+    del X, y
     out["nll"] = _draws_nll(w, d)
+    out["phase"] = "evaluate snapshots"
+    out["snapshot_nll"] = snapshot_nlls(snaps, d)
 
 
 def worker_main(args) -> None:
@@ -352,9 +499,9 @@ def worker_main(args) -> None:
         if method in PLUGIN:
             run_plugin(method, d, args.n, args.p, out)
         elif method == "advi":
-            run_advi(d, args.n, args.p, out, args.cap)
+            run_advi(d, args.n, args.p, out, args.cap, args.advi_steps, args.advi_seed)
         elif method == "numpyro":
-            run_numpyro(d, args.n, args.p, out, args.cap)
+            run_numpyro(d, args.n, args.p, out, args.cap, args.numpyro_steps)
         else:
             raise ValueError(method)
         out["phase"] = "done"
@@ -430,12 +577,18 @@ def render_case(res: dict) -> list[str]:
                     f" (1st iteration ends at {r['first_iteration_s']:.1f}, "
                     f"after the last: {fmt(r.get('post_fit_s'), '.1f')})"
                 )
-            if r.get("error"):  # the fit ended, the evaluation after it did not
+            if r.get("error") and r.get("snapshot_nll_by"):
+                time_cell += (
+                    "; the worker's cap then stopped its scoring of the snapshots "
+                    "(scored afterwards by the main process)"
+                )
+            elif r.get("error"):  # the fit ended, the evaluation after it did not
                 time_cell += f"; then **{r['error']}**"
         rows.append(
             [
                 LABELS[m]
                 + (f" [{r['plugin_commit']}]" if m in PLUGIN else "")
+                + (f" (`random_seed={r['random_seed']}`)" if r.get("random_seed") else "")
                 + (f" (cap {r['cap']:.0f} s)" if r.get("cap", res["cap"]) != res["cap"] else ""),
                 time_cell,
                 it,
@@ -470,6 +623,7 @@ def render_case(res: dict) -> list[str]:
             f"{b['iterations']} iterations; largest difference of q's means {dm:.1e})."
         )
         L.append("")
+    L.extend(render_traces(res))
     if res.get("nll_true") is not None:
         L.append(
             f"Held-out NLL at the true weights: {res['nll_true']:.5f} (for reference; a "
@@ -485,6 +639,188 @@ def render_case(res: dict) -> list[str]:
             L.extend(r["traceback_tail"])
             L.append("```")
             L.append("")
+    return L
+
+
+def _passes_to(bounds, opt, rel):
+    """1-based iteration from which ``|bound - opt| / |opt| <= rel`` holds to the end."""
+    b = np.asarray(bounds, dtype="float64")
+    _, i = common.first_sustained(np.arange(1, len(b) + 1), np.abs(b - opt) <= rel * abs(opt))
+    return None if i is None else i + 1
+
+
+def derived(res: dict) -> dict:
+    """The issue-52 numbers from the per-iteration and snapshot traces."""
+    ms = res["methods"]
+    out = {}
+    plug = {m: r for m, r in ms.items() if m in PLUGIN and r.get("iteration_bounds")}
+    if plug:
+        # -ELBO: lower is better; the optimum is the best any plugin run reached
+        opt_m = min(plug, key=lambda m: min(plug[m]["iteration_bounds"]))
+        opt = min(plug[opt_m]["iteration_bounds"])
+        out["bound_opt"], out["bound_opt_method"] = opt, opt_m
+        out["passes"] = {
+            m: {rel: _passes_to(r["iteration_bounds"], opt, rel) for rel in (1e-4, 1e-6, 1e-8)}
+            for m, r in plug.items()
+        }
+    a, b = ms.get("dask_threads", {}), ms.get("dask_cluster", {})
+    if a.get("iteration_bounds") and b.get("iteration_bounds"):
+        ba, bb = np.asarray(a["iteration_bounds"]), np.asarray(b["iteration_bounds"])
+        k = min(len(ba), len(bb))
+        rel = np.abs(ba[:k] - bb[:k]) / np.abs(ba[:k])
+        out["cluster"] = {"common": k, "max_rel": float(rel.max()), "last_rel": float(rel[-1])}
+        out["cluster"]["threads_n"], out["cluster"]["cluster_n"] = len(ba), len(bb)
+        if a.get("snapshots") and b.get("snapshots"):
+            ma = np.asarray(a["snapshots"][k - 1][2])
+            mb = np.asarray(b["snapshots"][k - 1][2])
+            out["cluster"]["mean_diff"] = float(np.max(np.abs(ma - mb)))
+    curves = {m: r["snapshot_nll"] for m, r in ms.items() if r.get("snapshot_nll")}
+    if curves:
+        best_m = min(curves, key=lambda m: min(v for _, _, v in curves[m]))
+        best = min(v for _, _, v in curves[best_m])
+        out["nll_best"], out["nll_best_method"] = best, best_m
+        out["nll_time"] = {}
+        for m, c in curves.items():
+            t = [x[0] for x in c]
+            v = [x[2] for x in c]
+            tt, i = common.time_to_within(t, v, best, rel=NLL_REL)
+            first = next((x for x in c if x[2] <= (1 + NLL_REL) * best), None)
+            out["nll_time"][m] = {
+                "sustained_s": None if i is None else tt,
+                "sustained_step": None if i is None else c[i][1],
+                "first_s": None if first is None else first[0],
+                "first_step": None if first is None else first[1],
+                "final": v[-1],
+                "min": min(v),
+                "final_s": t[-1],
+            }
+    return out
+
+
+def render_traces(res: dict) -> list[str]:
+    """Bound, passes, time to the best held-out NLL (runs with traces only)."""
+    ms = res["methods"]
+    dv = derived(res)
+    if not dv:
+        return []
+    L = []
+    if "passes" in dv:
+        opt = dv["bound_opt"]
+        L.append(
+            f"**Passes to the optimum bound.** -ELBO per iteration from the `pm.fit` "
+            f"callback's `losses`; bound_opt = {opt:.10g}, the lowest any plugin run "
+            f"reached ({LABELS[dv['bound_opt_method']]}). For a full-batch Dask fit one "
+            "iteration reads every chunk once (one `dask.compute` per iteration, counted "
+            "with a Dask callback on the threaded scheduler)."
+        )
+        L.append("")
+        rows = []
+        for m, ps in dv["passes"].items():
+            r = ms[m]
+            b = r["iteration_bounds"]
+            np_ = len(r.get("dask_passes") or [])
+            rows.append(
+                [
+                    LABELS[m],
+                    str(len(b)) + (f" ({np_} `dask.compute`)" if np_ else ""),
+                    *[("–" if ps[k] is None else str(ps[k])) for k in (1e-4, 1e-6, 1e-8)],
+                    f"{abs(b[-1] - opt) / abs(opt):.1e}",
+                    "yes" if ps[1e-4] is not None and ps[1e-4] <= 15 else "**no**",
+                ]
+            )
+        L.append(
+            common.markdown_table(
+                [
+                    "method",
+                    "iterations",
+                    "passes to 1e-4",
+                    "to 1e-6",
+                    "to 1e-8",
+                    "final |b - opt| / |opt|",
+                    "target (1e-4 in <= 15)",
+                ],
+                rows,
+            )
+        )
+        L.append("")
+        for m in ("dask_threads", "dask_cluster", "dask_tight"):
+            r = ms.get(m, {})
+            if not r.get("iteration_times"):
+                continue
+            it = np.diff([0.0, *r["iteration_times"]])
+            cells = ", ".join(f"{x:.1f}" for x in it)
+            line = f"{LABELS[m]}: seconds per iteration (the first includes set-up) {cells}"
+            dp = [x for x in r.get("dask_passes") or [] if x[1] is not None]
+            if dp:
+                line += "; of which reading and reducing the chunks (`dask.compute`) " + ", ".join(
+                    f"{e - s_:.1f}" for s_, e in dp
+                )
+            if r.get("iteration_rss_mb"):
+                line += "; resident MB at each iteration's end " + ", ".join(
+                    f"{x:,}" for x in r["iteration_rss_mb"]
+                )
+            if r.get("rss_trace"):
+                tmax, rmax = max(r["rss_trace"], key=lambda x: x[1])
+                line += f"; highest 2-s sample of resident memory {rmax:,} MB at {tmax:.0f} s"
+            L.extend([line + ".", ""])
+    if "cluster" in dv:
+        c = dv["cluster"]
+        L.append(
+            f"**Threads vs LocalCluster**: the -ELBO of the {c['common']} iterations both "
+            f"ran (threads {c['threads_n']}, LocalCluster {c['cluster_n']}) differ by at "
+            f"most {c['max_rel']:.1e} relative (last common iteration {c['last_rel']:.1e}; "
+            f"largest difference of q's means there {c.get('mean_diff', float('nan')):.1e}); "
+            "target 1e-8."
+        )
+        L.append("")
+    if "nll_time" in dv:
+        best = dv["nll_best"]
+        L.append(
+            f"**Time to the best held-out NLL.** Held-out NLL of q at each snapshot "
+            f"(plugin: every iteration; ADVI: every {ADVI_SNAP} steps; NumPyro: every block "
+            f"of 500 steps) on {TRACE_DRAWS} draws `mean + sd * z`, the same `z` (seed "
+            f"{TRACE_SEED}) for every snapshot and method, computed after the fit; times "
+            "from the start of loading / building the model, as in the table above "
+            "(compilation included), the time spent "
+            f"reading q at the snapshots subtracted. Best of all methods: {best:.6f} "
+            f"({LABELS[dv['nll_best_method']]}); target: NLL <= (1 + {NLL_REL:g}) x best "
+            f"= {(1 + NLL_REL) * best:.6f}. *Sustained*: from that snapshot on, every later "
+            "one is within."
+        )
+        L.append("")
+        ref = dv["nll_time"].get("dask_threads", {}).get("sustained_s")
+        rows = []
+        for m in METHODS:
+            v = dv["nll_time"].get(m)
+            if v is None:
+                continue
+            s_ = v["sustained_s"]
+            rows.append(
+                [
+                    LABELS[m],
+                    fmt(v["first_s"], ".1f")
+                    + ("" if v["first_step"] is None else f" (step {v['first_step']:,})"),
+                    fmt(s_, ".1f")
+                    + ("" if v["sustained_step"] is None else f" (step {v['sustained_step']:,})"),
+                    fmt(s_ / ref, ".2f") + "x" if s_ and ref else "–",
+                    f"{v['final']:.6f} at {v['final_s']:.0f} s",
+                    f"{v['min']:.6f}",
+                ]
+            )
+        L.append(
+            common.markdown_table(
+                [
+                    "method",
+                    "first within, s",
+                    "sustained within, s",
+                    "sustained / plugin (threads)",
+                    "last snapshot's NLL",
+                    "lowest NLL",
+                ],
+                rows,
+            )
+        )
+        L.append("")
     return L
 
 
@@ -527,6 +863,16 @@ def render(results: list[dict], notes: str = "") -> str:
         "`--cap 600`); `--report-only --notes FILE` re-renders this section; raw numbers "
         "in `/tmp/mcssvi-scale/results_*.json`.",
         "",
+        "10M x 100 (issue 52's targets; the plugin from `git archive 0c1ae95 pymc_mcssvi "
+        "| tar -x -C /tmp/src`): `python benchmarks/scale.py --n 10000000 --p 100 "
+        "--methods dask_threads,dask_cluster --cap 1200 --rss-cap-gb 20 --plugin-src "
+        "/tmp/src --plugin-commit 0c1ae95`, then `--methods advi,numpyro --cap 600 "
+        "--rss-cap-gb 20 --advi-steps 10000000 --numpyro-steps 10000000` (the step "
+        "counts only make the cap stop them). These runs also record per-iteration "
+        "traces (the plugin's -ELBO, q's mean and sd, the time of each `dask.compute`, "
+        "resident memory) and snapshots of ADVI's and NumPyro's q, rendered below the "
+        "case's table.",
+        "",
     ]
     for res in results:
         L.extend(render_case(res))
@@ -536,8 +882,26 @@ def render(results: list[dict], notes: str = "") -> str:
 
 
 def all_results() -> list[dict]:
-    out = [json.loads(f.read_text()) for f in sorted(ROOT.glob("results_n*_p*.json"))]
+    out = []
+    for f in sorted(ROOT.glob("results_n*_p*.json")):
+        res = json.loads(f.read_text())
+        if fill_snapshot_nll(res):
+            common.save_json(res, f)
+        out.append(res)
     return sorted(out, key=lambda r: r["n"] * r["p"])
+
+
+def fill_snapshot_nll(res: dict) -> bool:
+    """Held-out NLLs of the snapshots of a worker stopped by its cap (it recorded the
+    snapshots but not their NLLs); True when any were added."""
+    d = data_dir(res["n"], res["p"])
+    added = False
+    for r in res["methods"].values():
+        if r.get("snapshots") and not r.get("snapshot_nll") and (d / "meta.json").exists():
+            r["snapshot_nll"] = snapshot_nlls(r["snapshots"], d)
+            r["snapshot_nll_by"] = "the main process, after the worker stopped"
+            added = True
+    return added
 
 
 def main(argv=None):
@@ -547,6 +911,9 @@ def main(argv=None):
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--cap", type=float, default=300.0, help="wall seconds per method")
     parser.add_argument("--rss-cap-gb", type=float, default=14.0)
+    parser.add_argument("--advi-steps", type=int, default=ADVI_STEPS)
+    parser.add_argument("--numpyro-steps", type=int, default=NUMPYRO_STEPS)
+    parser.add_argument("--advi-seed", type=int, default=0, help="pm.fit's random_seed")
     parser.add_argument("--report-only", action="store_true")
     parser.add_argument("--notes", default=None, help="markdown file added after the tables")
     parser.add_argument("--no-docs", action="store_true")
@@ -586,6 +953,9 @@ def main(argv=None):
             log(f"{m} (N = {args.n:,}, p = {args.p})")
             wargs = [m, "--n", str(args.n), "--p", str(args.p), "--cap", str(args.cap)]
             wargs += ["--rss-cap-gb", str(args.rss_cap_gb)]
+            wargs += ["--advi-steps", str(args.advi_steps)]
+            wargs += ["--numpyro-steps", str(args.numpyro_steps)]
+            wargs += ["--advi-seed", str(args.advi_seed)]
             env = None
             if args.plugin_src:
                 env = dict(os.environ, PYTHONPATH=str(Path(args.plugin_src).resolve()))

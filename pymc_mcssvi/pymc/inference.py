@@ -78,7 +78,6 @@ from pymc_mcssvi.pymc.start import (
     initial_q,
 )
 from pymc_mcssvi.recognize.analysis import local_scale_hypers
-from pymc_mcssvi.recognize.graph import check_static_data
 from pymc_mcssvi.recognize.ir import Segment
 from pymc_mcssvi.recognize.model import check_data, recognize
 from pymc_mcssvi.recognize.rules import MIXED_BILINEAR
@@ -862,8 +861,7 @@ class StructuredVI(Inference):
             raise ValueError(f"max_iter must be a positive integer, got {max_iter!r}")
         _check_fit_options(backend, blas_threads, callbacks, compile_kwargs)
         if self.approx.changed_data():
-            check_static_data(self.tlm.static_data)
-            check_data(self.model, [g.value for g in self.tlm.gaussians])
+            check_data(self.model, self.tlm.gaussian_values, self.tlm.static_data)
             # ``pm.set_data`` since the last fit: the stored bound (and the derivatives
             # behind the pending candidate) are the old data's, against which every step
             # would be judged. The current q is re-evaluated on the new data and accepted.

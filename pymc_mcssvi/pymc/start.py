@@ -185,10 +185,10 @@ def data_scaled_factors(bound, parameterization, means, factors, hyper_spec):
 
 
 #: Predictor entries above which the start's curvature check is compiled (with the
-#: Python backend's rewrites) rather than run node by node: its derivative graphs have
-#: scalar ops without a NumPy ufunc, which PyTensor then loops over in Python (200,000
-#: logistic rows: 20-34 s node by node, against about 1 s compiled), and held all
-#: their intermediates at once.
+#: Python backend's rewrites, freeing intermediates) rather than run node by node: its
+#: derivative graphs, unrewritten, ran every node of the autodiff graph and held all
+#: their intermediates at once (200,000 logistic rows: 20-34 s node by node, against
+#: about 1 s compiled).
 COMPILED_CURVATURE_ENTRIES = 20_000
 
 

@@ -30,6 +30,7 @@ from pymc_mcssvi.recognize.affine import linearize
 from pymc_mcssvi.recognize.count_data import check_count_data
 from pymc_mcssvi.recognize.graph import (
     as_float,
+    check_static_data,
     depends_on_any,
     evaluate_static,
     gather_index,
@@ -618,16 +619,20 @@ def _check_observed_shapes(model):
                 )
 
 
-def check_data(model, gaussian_values) -> None:
+def check_data(model, gaussian_values, static_data=()) -> None:
     """Recognition's checks of the data, again: for data changed by ``pm.set_data``
     after the model was recognized (a fit continued with ``refine`` or ``fit``).
 
+    Data whose shapes recognition fixed (``static_data``, the
+    :attr:`~pymc_mcssvi.recognize.ir.TwoLevelModel.static_data` twins) and that
+    changed shape raise ``ValueError`` (:func:`~pymc_mcssvi.recognize.graph.check_static_data`).
     NaN or infinite observations, NaN in the data a likelihood reads, and gather
     indices of the Gaussian globals (``gaussian_values``) out of range raise
     :class:`~pymc_mcssvi.UnsupportedModelError` as they do before a first fit;
     they made a continued fit's bound infinite, silently, or raised PyTensor's
     own ``IndexError``.
     """
+    check_static_data(static_data)
     for obs in model.observed_RVs:
         _check_observed_data(model, obs)
     logps = model.logp(vars=list(model.observed_RVs), sum=False)

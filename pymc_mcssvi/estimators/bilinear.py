@@ -351,14 +351,32 @@ class BilinearEstimator:
     def active(self) -> bool:
         return bool(self.items)
 
-    def _points(self, K, salt):
-        """Standard points ``E`` (``a x K``) shared by all observations, and whether they are sigma points."""
+    def _points(self, K, salt, R):
+        """Standard points ``E``: ``(a, K)`` sigma points shared by all rows, or with
+        ``n_draws`` draws ``(R, a, K)``, fixed and independent from row to row.
+
+        A row's draws are ``+- sqrt(K) q_k`` for ``a / 2`` columns ``q_k`` of a random
+        orthogonal matrix of its own: a random subset of rotated sigma points, so that
+        their second moment is ``I`` on average over rows (exactly ``I`` when
+        ``a = 2K``) and their mean is exactly 0. Independent rows matter: a factor's
+        ``g`` and ``H`` sum over many rows of the other factor, and their draws' errors
+        average out there; points shared by all rows (an earlier form) gave every
+        row the same error (InstEval binary: held-out NLL 0.749 with 4 shared draws,
+        against 0.643 with sigma points).
+        """
         if self.n_draws == "sigma":
             half = np.sqrt(K) * np.eye(K)
-        else:
-            rng = np.random.default_rng(self.seed + 104729 * salt + K)
-            half = rng.standard_normal((self.n_draws // 2, K))
-        return np.concatenate([half, -half])
+            return np.concatenate([half, -half])
+        b = self.n_draws // 2
+        rng = np.random.default_rng(self.seed + 104729 * salt + K)
+        Q, Rm = np.linalg.qr(rng.standard_normal((R, K, K)))
+        Q = Q * np.sign(np.diagonal(Rm, axis1=-2, axis2=-1))[:, None, :]  # Haar
+        reps = -(-b // K)  # more draws than K: further independent rotations
+        if reps > 1:
+            extra = [np.linalg.qr(rng.standard_normal((R, K, K)))[0] for _ in range(reps - 1)]
+            Q = np.concatenate([Q, *extra], axis=-1)
+        half = np.sqrt(K) * np.swapaxes(Q[:, :, :b], -1, -2)  # (R, b, K)
+        return np.concatenate([half, -half], axis=1)
 
     def _square_root_t(self, state: GaussianBlocks):
         """``A^T`` for ``A A^T = S`` per row (``L^{-1}`` or ``C``): the products below
@@ -381,8 +399,7 @@ class BilinearEstimator:
         """Points ``x_a = m + A e_a`` of every row of the drawn factor, ``(R, a, K)``
         (``draw`` is ``(mean, A^T)``): ``a K^2`` per row, once, not per observation."""
         mean, At = draw
-        Ec = pt.constant(E)
-        return mean[:, None, :] + bmm(pt.broadcast_to(Ec, (mean.shape[0], *E.shape)), At)
+        return mean[:, None, :] + bmm(pt.constant(E), At)
 
     def _side(
         self,
@@ -430,7 +447,7 @@ class BilinearEstimator:
         if obs is not None:
             draw_rows, exact_rows = draw_rows[obs], exact_rows[obs]
             logp, ph = self._observation_subset(term, obs)
-        a, K = E.shape
+        a, K = E.shape[-2:]
         sigma = self.n_draws == "sigma"
         if group is None:
             mx, Sx = exact[0][exact_rows], exact[1][exact_rows]  # per observation
@@ -517,7 +534,8 @@ class BilinearEstimator:
             U = (states[su].mean, self._square_root_t(states[su]))
             V = (states[sv].mean, self._square_root_t(states[sv]))
             Ux, Vx = (states[su].mean, covs[su]), (states[sv].mean, covs[sv])
-            E_u, E_v = self._points(K, 2 * k), self._points(K, 2 * k + 1)
+            E_u = self._points(K, 2 * k, states[su].mean.type.shape[0])
+            E_v = self._points(K, 2 * k + 1, states[sv].mean.type.shape[0])
             affine = designs = None
             if geom is not None and chunk is not None:
                 geom = restrict_predictor(term.affine, geom, chunk, logp=False).geometry

@@ -537,8 +537,9 @@ def test_vecdot_spelling_under_an_ordered_likelihood_is_bilinear(rng):
 
 
 def _numpy_sides(s, d, y, mu, Su, mv, Sv, n_points, E_u, E_v):
-    """Per-observation reference of the V and U sides at the 2K sigma points (Bernoulli-logit,
-    Gauss-Hermite in f): values, g and H per row."""
+    """Per-observation reference of the V and U sides at the 2K sigma points or at each
+    drawn row's own points (``E`` of shape ``(rows, a, K)``; Bernoulli-logit, Gauss-Hermite
+    in f): values, g and H per row."""
     from numpy.polynomial.hermite_e import hermegauss
 
     x, wq = hermegauss(n_points)
@@ -553,14 +554,15 @@ def _numpy_sides(s, d, y, mu, Su, mv, Sv, n_points, E_u, E_v):
         g, H = np.zeros_like(mx), np.zeros((len(mx), K, K))
         for n in range(len(y)):
             i, j = rows_d[n], rows_x[n]
-            for e in E:
+            points = E[i] if E.ndim == 3 else E
+            for e in points:
                 p = md[i] + A[i] @ e
                 mean, sd = p @ mx[j], np.sqrt(p @ Sx[j] @ p)
                 f = mean + sd * x
                 sig = expit(f)
-                T += wq @ (y[n] * f - np.logaddexp(0, f)) / len(E)
-                g[j] += (wq @ (y[n] - sig)) * p / len(E)
-                H[j] -= (wq @ (sig * (1 - sig))) * np.outer(p, p) / len(E)
+                T += wq @ (y[n] * f - np.logaddexp(0, f)) / len(points)
+                g[j] += (wq @ (y[n] - sig)) * p / len(points)
+                H[j] -= (wq @ (sig * (1 - sig))) * np.outer(p, p) / len(points)
         out.append((T, g, H))
     return out
 
@@ -619,7 +621,9 @@ def test_runs_of_a_row_give_the_per_observation_sums(rng, chunk, draws):
             sum(x)
             for x in zip(*(f(i, wt) for i, wt in zip(index, weight, strict=True)), strict=True)
         ]
-    E_u, E_v = est._points(K, 0), est._points(K, 1)
+    E_u, E_v = est._points(K, 0, R), est._points(K, 1, C)
+    if draws != "sigma":  # each row its own draws
+        assert E_u.shape == (R, 4, K) and not np.allclose(E_u[0], E_u[1])
     (Tv, gv, Hv), (Tu, gu, Hu) = _numpy_sides(s, d, y, mu, Su, mv, Sv, est.n_points, E_u, E_v)
     np.testing.assert_allclose(got[0], Tv, rtol=1e-10)
     np.testing.assert_allclose(got[1], Tu, rtol=1e-10)
@@ -627,3 +631,26 @@ def test_runs_of_a_row_give_the_per_observation_sums(rng, chunk, draws):
     np.testing.assert_allclose(got[3], gv, rtol=1e-9, atol=1e-12)
     np.testing.assert_allclose(got[4], Hu, rtol=1e-9, atol=1e-12)
     np.testing.assert_allclose(got[5], Hv, rtol=1e-9, atol=1e-12)
+
+
+def test_drawn_points_are_per_row_rotated_sigma_points():
+    """With ``bilinear_draws=a`` each row of the drawn factor gets its own ``a`` points,
+    ``+- sqrt(K) q`` for columns ``q`` of a random orthogonal matrix: mean exactly 0,
+    second moment ``I`` on average over rows, and exactly ``I`` per row at ``a = 2K``."""
+    from pymc_mcssvi.estimators.bilinear import BilinearEstimator
+
+    K, R = 5, 4000
+    for a in (2, 4, 10):
+        est = BilinearEstimator.__new__(BilinearEstimator)
+        est.n_draws, est.seed = a, 3
+        E = est._points(K, 0, R)
+        assert E.shape == (R, a, K)
+        np.testing.assert_allclose(E.mean(axis=1), 0.0, atol=1e-12)
+        second = np.einsum("rak,ral->rkl", E, E) / a
+        np.testing.assert_allclose(second.mean(axis=0), np.eye(K), atol=0.05)
+        if a == 2 * K:
+            np.testing.assert_allclose(second, np.broadcast_to(np.eye(K), second.shape), atol=1e-12)
+        else:  # rows differ
+            assert not np.allclose(second[0], second[1])
+    # a different factor (salt) draws other points
+    assert not np.allclose(est._points(K, 0, R), est._points(K, 1, R))

@@ -346,6 +346,32 @@ def _reindex(rows, cols, y, keep_rows, keep_cols):
     return rmap[rows[keep]], cmap[cols[keep]], y[keep]
 
 
+#: MovieLens-1M-sized synthetic data (issue 52): users x movies, ratings.
+MOVIELENS_SHAPE = (6040, 3706, 1_000_209)
+MOVIELENS = ["movielens_binary", "movielens_ordinal"]
+
+
+def movielens_positions(rng, n_rows, n_cols, n_obs, exponent=0.6):
+    """``n_obs`` distinct ``(row, col)`` positions drawn with Zipf weights
+    ``(rank + 10)^-exponent`` on rows and on columns (a few heavy users and popular
+    movies, as in MovieLens), every row and column with at least one entry."""
+    wr = (np.arange(n_rows) + 10.0) ** -exponent
+    wc = (np.arange(n_cols) + 10.0) ** -exponent
+    keys = np.empty(0, dtype="int64")
+    while keys.size < n_obs:
+        m = 2 * (n_obs - keys.size) + 1000
+        rr = rng.choice(n_rows, m, p=wr / wr.sum())
+        cc = rng.choice(n_cols, m, p=wc / wc.sum())
+        keys = np.unique(np.concatenate([keys, rr * n_cols + cc]))
+    # every row and column once (a diagonal sweep), the rest at random
+    base = np.arange(max(n_rows, n_cols))
+    seed_keys = np.unique((base % n_rows) * n_cols + base % n_cols)
+    rest = np.setdiff1d(keys, seed_keys)
+    rest = rng.permutation(rest)[: n_obs - seed_keys.size]
+    keys = rng.permutation(np.concatenate([seed_keys, rest]))
+    return keys // n_cols, keys % n_cols
+
+
 def _split(rows, cols, y, seed, frac=0.2):
     rng = np.random.default_rng(seed)
     perm = rng.permutation(len(y))
@@ -403,17 +429,31 @@ def load_dataset(name: str, cfg: dict, seed: int = 0) -> dict:
         info["source"] = (
             f"lda.datasets.load_reuters(), {cfg['reuters_words']} most frequent terms, nonzero counts"
         )
-    elif name.startswith("synth"):
-        N, K = cfg["synth_n"], cfg["K_synth"]
-        rng = np.random.default_rng(1000 + seed + DATASETS.index(name))
-        U, V = rng.standard_normal((N, K)), rng.standard_normal((N, K))
-        ii, jj = np.meshgrid(np.arange(N), np.arange(N), indexing="ij")
-        r, c = ii.ravel().astype("int64"), jj.ravel().astype("int64")
+    elif name.startswith(("synth", "movielens")):
+        K = cfg["K_synth"]
+        if name.startswith("synth"):
+            N = n_rows = n_cols = cfg["synth_n"]
+            rng = np.random.default_rng(1000 + seed + DATASETS.index(name))
+            U, V = rng.standard_normal((N, K)), rng.standard_normal((N, K))
+            ii, jj = np.meshgrid(np.arange(N), np.arange(N), indexing="ij")
+            r, c = ii.ravel().astype("int64"), jj.ravel().astype("int64")
+            info["source"] = (
+                f"generated: {N} x {N} fully observed, U, V ~ N(0, I_{K}) (prior draws)"
+            )
+        else:
+            n_rows, n_cols, n_obs = MOVIELENS_SHAPE
+            rng = np.random.default_rng(2000 + seed + MOVIELENS.index(name))
+            U, V = rng.standard_normal((n_rows, K)), rng.standard_normal((n_cols, K))
+            r, c = movielens_positions(rng, n_rows, n_cols, n_obs)
+            info["source"] = (
+                f"generated: {n_rows} x {n_cols}, {n_obs:,} observed entries at MovieLens-like "
+                f"skewed positions (rows and columns drawn with Zipf weights), U, V ~ N(0, I_{K})"
+            )
         f = np.sum(U[r] * V[c], -1)
-        if name == "synth_binary":
+        if name.endswith("_binary"):
             lik = "bernoulli"
             y = (rng.random(f.size) < expit(f)).astype("int64")
-        elif name == "synth_count":
+        elif name.endswith("_count"):
             lik = "poisson_softplus"
             y = rng.poisson(np.logaddexp(0.0, f)).astype("int64")
         else:
@@ -423,8 +463,6 @@ def load_dataset(name: str, cfg: dict, seed: int = 0) -> dict:
             lat = f + rng.logistic(size=f.size)
             y = np.searchsorted(cut, lat).astype("int64")
         train, test = _split(r, c, y, seed)
-        n_rows = n_cols = N
-        info["source"] = f"generated: {N} x {N} fully observed, U, V ~ N(0, I_{K}) (prior draws)"
         info["y_mean"] = float(y.mean())
     else:
         raise ValueError(f"unknown data set {name!r}")

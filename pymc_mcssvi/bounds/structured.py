@@ -84,7 +84,7 @@ class StructuredBound:
     fixed_draws : bool
         Reuse the general estimator's draws every iteration.
     seed : int
-    bilinear_draws : int or "sigma"
+    bilinear_draws : int, "sigma" or "auto"
     row_subsample : int, optional
         Matrix factorization: observations per row in each iteration
         (:class:`~pymc_mcssvi.estimators.bilinear.BilinearEstimator`).

@@ -666,7 +666,10 @@ def test_auto_draws_take_sigma_points_up_to_the_budget(rng, monkeypatch):
         assert pymc_mcssvi.HMCSSVI().bound.bilinear.n_draws == "sigma"
     monkeypatch.setattr(bilinear, "SIGMA_POINT_BUDGET", 199)
     with m:
-        assert pymc_mcssvi.HMCSSVI().bound.bilinear.n_draws == bilinear.AUTO_DRAWS
+        est = pymc_mcssvi.HMCSSVI().bound.bilinear
+        assert est.n_draws == bilinear.AUTO_DRAWS and est.n_points == bilinear.AUTO_DRAW_NODES
+        est = pymc_mcssvi.HMCSSVI(bilinear_draws=4).bound.bilinear  # as asked
+        assert est.n_draws == 4 and est.n_points == 12
         # row subsampling counts the observations an iteration uses
         assert pymc_mcssvi.HMCSSVI(row_subsample=1).bound.bilinear.n_draws == "sigma"
 

@@ -134,8 +134,9 @@ class BilinearEstimator:
         self._n_rngs = 0
         self.parameterization = parameterization
         self.n_points = n_points
+        work = self._sigma_work(tlm)
         if n_draws == "auto":
-            n_draws = "sigma" if self._sigma_work(tlm) <= SIGMA_POINT_BUDGET else AUTO_DRAWS
+            n_draws = "sigma" if work <= SIGMA_POINT_BUDGET else AUTO_DRAWS
             if n_draws != "sigma":
                 self.n_points = min(int(n_points), AUTO_DRAW_NODES)
         self.n_draws = n_draws if n_draws == "sigma" else int(n_draws) + int(n_draws) % 2
@@ -161,8 +162,11 @@ class BilinearEstimator:
 
     def _sigma_work(self, tlm) -> float:
         """Evaluations of one iteration at sigma points: per term, both sides'
-        observations (at most ``row_subsample`` per row) times ``2K``."""
+        observations (at most ``row_subsample`` per row) times ``2K``. Sets
+        :attr:`n_observations`."""
         work = 0.0
+        #: Observations of the bilinear terms (``None`` when their indices change).
+        self.n_observations = 0
         for term in tlm.bilinear_terms:
             K = tlm.gaussians[term.left].shape[0 if term.left in term.transposed else 1]
             try:
@@ -170,7 +174,10 @@ class BilinearEstimator:
             except Exception:  # indices that change (pm.Minibatch): the batch's length
                 n = term.left_rows.type.shape[0] or 0
                 work += 2 * n * 2 * K
+                self.n_observations = None
                 continue
+            if self.n_observations is not None:
+                self.n_observations += int(np.asarray(left).size)
             for idx in (np.asarray(left).ravel(), np.asarray(right).ravel()):
                 used = idx.size
                 if self.row_subsample is not None:

@@ -811,7 +811,12 @@ class StructuredVI(Inference):
         tol : float, "auto" or None
             Relative change of the bound that counts as converged (``"auto"``:
             ``1e-7`` for full-batch fits, ``1e-3`` between windowed averages for
-            minibatch fits). ``None`` turns the stopping rule off: ``n``
+            minibatch fits; full-batch matrix factorizations of at least
+            :data:`~pymc_mcssvi.pymc.fit_loop.PER_OBSERVATION_MIN` observations
+            also stop when the bound gains at most
+            :data:`~pymc_mcssvi.pymc.fit_loop.PER_OBSERVATION_GAIN` nats per
+            observation an iteration, as their bound creeps on long after the
+            predictions have settled). ``None`` turns the stopping rule off: ``n``
             iterations run.
         max_iter : int
             Cap on the number of iterations when ``n`` is None.
@@ -886,7 +891,8 @@ class StructuredVI(Inference):
                 step.upgrade()
             step.compile()  # before the loop, as for the other backends
         total = int(n) if n is not None else int(max_iter)
-        if isinstance(tol, str) and tol == "auto":
+        auto_tol = isinstance(tol, str) and tol == "auto"
+        if auto_tol:
             tol = 1e-3 if self.stochastic else 1e-7
         elif tol is not None and not (isinstance(tol, int | float) and tol > 0):
             raise ValueError(f"tol must be a positive number, 'auto' or None, got {tol!r}")
@@ -905,7 +911,7 @@ class StructuredVI(Inference):
                 step,
                 total=total,
                 auto_stop=auto_stop,
-                stop_rule=functools.partial(self._converged, tol=tol),
+                stop_rule=functools.partial(self._converged, tol=tol, auto_tol=auto_tol),
                 current_bound=self.store.symbolic.bound.get_value,
                 after_step=self._after_step,
                 callbacks=list(callbacks or []),
@@ -1241,14 +1247,21 @@ class StructuredVI(Inference):
             )
         self.store.set(self.kernel.reset_candidate(state))
 
-    def _converged(self, scores, gains, tol) -> bool:
+    def _converged(self, scores, gains, tol, auto_tol=False) -> bool:
         """The stopping rule: :func:`~pymc_mcssvi.pymc.fit_loop.converged_stochastic`
         (minibatches, row subsampling) or
-        :func:`~pymc_mcssvi.pymc.fit_loop.converged_full_batch`."""
+        :func:`~pymc_mcssvi.pymc.fit_loop.converged_full_batch`, and for matrix
+        factorizations under ``tol="auto"`` also
+        :func:`~pymc_mcssvi.pymc.fit_loop.converged_per_observation`."""
         if self.stochastic:
             locations = self._average_locations if self._averaged else None
             return fit_loop.converged_stochastic(scores, tol, locations)
-        return fit_loop.converged_full_batch(scores, gains, tol)
+        if fit_loop.converged_full_batch(scores, gains, tol):
+            return True
+        n_obs = self.bound.bilinear.n_observations if auto_tol else None
+        if not n_obs or n_obs < fit_loop.PER_OBSERVATION_MIN:
+            return False
+        return fit_loop.converged_per_observation(scores, gains, n_obs)
 
 
 def _is_positive_int(x) -> bool:

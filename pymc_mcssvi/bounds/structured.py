@@ -253,10 +253,11 @@ class StructuredBound:
                 work += 4.0 * max(1, seg.k) ** 2
         return work
 
-    def predictor_variances(self, states: list[GaussianBlocks]):
+    def predictor_variances(self, states: list[GaussianBlocks], covs=None):
         """Variance under q of each affine predictor entry (one vector per predictor of
-        each likelihood term)."""
-        covs = [covariance(st, self.parameterization) for st in states]
+        each likelihood term). ``covs``: the covariance blocks, if known."""
+        if covs is None:
+            covs = [covariance(st, self.parameterization) for st in states]
         means = [st.mean for st in states]
         geoms = self.geometries + self._pair_predictor_geometries()
         return [g.moments(means, covs, g.prepare())[1] for g in geoms]

@@ -157,7 +157,11 @@ def data_scaled_factors(bound, parameterization, means, factors, hyper_spec):
     def at_start(graphs):
         return graphs if init is None else graph_replace(graphs, init, strict=False)
 
-    var = at_start(bound.predictor_variances(states))
+    # the covariance blocks in NumPy: as a graph they are a triangular solve per row,
+    # which the uncompiled evaluation runs as a Python loop over the rows (4-30 s for
+    # the 9,746 rows of a MovieLens-sized factorization)
+    covs = [pt.constant(c) for c in _start_covariances(factors, parameterization)]
+    var = at_start(bound.predictor_variances(states, covs))
     try:  # no rewriting: a one-off evaluation of a small graph
         values = evaluate_static(var, mode=Mode(linker="py", optimizer=None))
     except Exception as e:  # a predictor that needs more than the start values
@@ -182,6 +186,20 @@ def data_scaled_factors(bound, parameterization, means, factors, hyper_spec):
     if parameterization == "precision":
         return [f / shrink for f in factors]
     return [f * shrink for f in factors]
+
+
+def _start_covariances(factors, parameterization):
+    """Covariance blocks of q from its factors (:func:`~pymc_mcssvi.families.gaussian.covariance`
+    in NumPy): ``C^T C``, or ``(L L^T)^{-1}`` for precision factors ``L``."""
+    out = []
+    for f in factors:
+        f = np.asarray(f, dtype="float64")
+        if parameterization == "covariance":
+            out.append(np.swapaxes(f, -1, -2) @ f)
+        else:
+            Li = np.linalg.inv(f)  # lower triangular: S = L^{-T} L^{-1}
+            out.append(np.swapaxes(Li, -1, -2) @ Li)
+    return out
 
 
 #: Predictor entries above which the start's curvature check is compiled (with the

@@ -160,6 +160,7 @@ def main(argv=None):
     parser.add_argument("--reuse", action="store_true")
     parser.add_argument("--report-only", action="store_true")
     parser.add_argument("--no-docs", action="store_true")
+    parser.add_argument("--notes", default=None, help="markdown file added after the tables")
     args = parser.parse_args(argv)
     saved = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
     results = saved.get("results", {})
@@ -183,6 +184,8 @@ def main(argv=None):
         }
         common.save_json({"results": results, "run": saved["run"]}, RESULTS)
     text = render(results, saved["run"])
+    if args.notes:
+        text += "\n" + Path(args.notes).read_text()
     log(text)
     if not args.no_docs:
         common.write_section(SECTION, text)

@@ -193,6 +193,18 @@ class StructuredBound:
                 size = int(max(1, budget // per))
             if size < n:
                 out[i] = size
+        if out and self.tlm.minibatch:
+            # pm.Minibatch draws its rows with a random generator, which a chunk's scan
+            # cannot update (PyMC's compile: "No update found for at least one RNG used
+            # in Scan Op"); a step holds one batch, whose size the user chose
+            if chunk_size is not None:
+                raise ValueError(
+                    f"chunk_size={chunk_size} splits a pm.Minibatch likelihood of "
+                    f"{max(self.terms[i].n_obs for i in out)} rows per batch, whose random "
+                    "rows cannot be drawn inside the chunks: drop chunk_size (a step "
+                    "holds one batch), or give a smaller batch_size to pm.Minibatch"
+                )
+            return {}
         return out
 
     def work_estimate(self, local_factor: float = 1.0, linear_algebra: bool = True) -> float:

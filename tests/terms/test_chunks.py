@@ -192,3 +192,27 @@ def test_data_without_static_shapes_is_chunked_as_with_them():
         pm.set_data({"X": np.zeros((10, 3)), "g": np.zeros(10, int), "y_obs": np.zeros(10, int)})
         with pytest.raises(ValueError, match=r"'(X|g|y_obs)' changed shape from \(400"):
             inf.fit(n=1, progressbar=False)
+
+
+def test_minibatch_likelihood_is_not_chunked(monkeypatch):
+    """pm.Minibatch draws its rows with a random generator that a chunk's scan cannot
+    update: a likelihood over its rows is kept whole even when its intermediates pass
+    the chunk budget (it failed to compile: "No update found for at least one RNG used
+    in Scan Op", the default fit of a 2,000 x 2,000 batch), and an explicit chunk_size
+    that would split the batch is refused with a message naming the batch."""
+    import pymc_mcssvi.algorithms.kernel as kernel
+
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(2000, 5))
+    y = (rng.random(2000) < 0.5).astype("float64")
+    Xb, yb = pm.Minibatch(X, y, batch_size=400)
+    with pm.Model():
+        w = pm.Normal("w", 0, 1, shape=5)
+        pm.Bernoulli("obs", logit_p=Xb @ w, observed=yb, total_size=2000)
+        monkeypatch.setattr(kernel, "CHUNK_BYTES", 1000.0)  # every term past the budget
+        inf = pymc_mcssvi.HMCSSVI(random_seed=0, polish=False)
+        assert inf.kernel.chunk_plan() == {}
+        approx = inf.fit(20, progressbar=False)
+        assert np.all(np.isfinite(approx.mean.eval()))
+        with pytest.raises(ValueError, match="chunk_size=100 splits a pm.Minibatch.*400 rows"):
+            pymc_mcssvi.HMCSSVI(chunk_size=100).fit(2, progressbar=False)

@@ -70,6 +70,13 @@ def config() -> dict:
     return cfg
 
 
+def plugin_key(rows: dict):
+    """The newest plugin row of a data set: :data:`PLUGIN`, else any ``H-MC-SSVI ...`` row."""
+    if PLUGIN in rows:
+        return PLUGIN
+    return next((m for m in rows if m.startswith(PLUGIN)), None)
+
+
 def analyse(results: dict) -> dict:
     """Per data set: AutoNormal's final level (curve), each method's time to it and final NLL."""
     out = {}
@@ -85,7 +92,7 @@ def analyse(results: dict) -> dict:
                 "curve_final": pmf.curve_final(res) if res.get("curve") else None,
                 "peak_rss_mb": res.get("peak_rss_fit_mb"),
             }
-        plug, ref = d["rows"].get(PLUGIN), d["rows"].get(AUTONORMAL)
+        plug, ref = d["rows"].get(plugin_key(rows)), d["rows"].get(AUTONORMAL)
         if plug and ref and plug["time_to_level"] and ref["time_to_level"]:
             d["speedup"] = ref["time_to_level"] / plug["time_to_level"]
         if plug and ref and plug["final_nll"] is not None and ref["final_nll"] is not None:
@@ -118,8 +125,8 @@ def render(results: dict, run_info: dict) -> str:
         "it (or below); *final NLL*: all test entries, 256 draws.",
         "",
         "| data | method | stop | iterations | fit s | set-up s | s / it. | final NLL | "
-        "time to level s | peak RSS MB |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "time to level s | peak RSS MB | load start / end |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, rows in results.items():
         d = derived[name]
@@ -129,19 +136,23 @@ def render(results: dict, run_info: dict) -> str:
                 f"| {name} | {method} | {_stop(res)} | {res.get('iterations', '-')} | "
                 f"{fmt(res.get('wall'), '.1f')} | {fmt(res.get('setup_s'), '.1f')} | "
                 f"{fmt(res.get('per_iter_s'), '.3g')} | {fmt(r['final_nll'], '.4f')} | "
-                f"{fmt(r['time_to_level'], '.1f')} | {fmt(r['peak_rss_mb'], '.0f')} |"
+                f"{fmt(r['time_to_level'], '.1f')} | {fmt(r['peak_rss_mb'], '.0f')} | "
+                f"{fmt(res.get('load_start'), '.1f')} / {fmt(res.get('load_end'), '.1f')} |"
             )
     lines += [
         "",
         "| data | AutoNormal's level | plugin sooner by | plugin ends no worse | "
-        "plugin peak RSS <= 2 GB |",
+        "plugin peak RSS <= 2 GB (the target of the 1000 x 1000 data) |",
         "|---|---|---|---|---|",
     ]
     for name, d in derived.items():
-        plug = d["rows"].get(PLUGIN, {})
+        key = plugin_key(d["rows"])
+        if key is None:
+            continue
+        plug = d["rows"][key]
         rss = plug.get("peak_rss_mb")
         lines.append(
-            f"| {name} | {fmt(d['level'], '.4f')} | "
+            f"| {name} ({key}) | {fmt(d['level'], '.4f')} | "
             f"{'x' + fmt(d.get('speedup'), '.1f') if d.get('speedup') else 'never reached'} | "
             f"{'yes' if d.get('ends_no_worse') else 'no'} | "
             f"{'-' if rss is None else ('yes' if rss <= RSS_LIMIT_MB else 'no')} "

@@ -80,13 +80,11 @@ def converged_full_batch(scores, gains, tol) -> bool:
     >>> converged_full_batch(np.array([10.0, 9.0, 9.0, 9.0, 9.0]), [1.0, 1e-9, 0.0, -1e-9], 1e-7)
     True
     """
-    k = FULL_BATCH_WINDOW
-    if len(scores) <= k or not np.all(np.isfinite(scores[-k - 1 :])):
+    if len(scores) == 0:
         return False
     # the absolute part (1e-6 at the default tol) scales with tol, so that a smaller
     # tol is honoured near ELBO = 0 and for tight checks (tol=1e-12)
-    limit = tol * (abs(scores[-1]) + 10.0)
-    return all(abs(g) <= limit for g in gains[-k:])
+    return _gains_within(scores, gains, tol * (abs(scores[-1]) + 10.0))
 
 
 def converged_per_observation(scores, gains, n_observations) -> bool:
@@ -100,10 +98,15 @@ def converged_per_observation(scores, gains, n_observations) -> bool:
     >>> converged_per_observation(np.array([9.0, 8.0, 7.9, 7.8, 7.7]), [1.0, 0.1, 0.1, 0.1], 10_000)
     True
     """
+    return _gains_within(scores, gains, PER_OBSERVATION_GAIN * n_observations)
+
+
+def _gains_within(scores, gains, limit) -> bool:
+    """The last :data:`FULL_BATCH_WINDOW` gains are within ``limit`` (in absolute value)
+    and the bounds around them finite: the window test of the full-batch rules."""
     k = FULL_BATCH_WINDOW
     if len(scores) <= k or not np.all(np.isfinite(scores[-k - 1 :])):
         return False
-    limit = PER_OBSERVATION_GAIN * n_observations
     return all(abs(g) <= limit for g in gains[-k:])
 
 

@@ -674,6 +674,29 @@ def test_auto_draws_take_sigma_points_up_to_the_budget(rng, monkeypatch):
         assert pymc_mcssvi.HMCSSVI(row_subsample=1).bound.bilinear.n_draws == "sigma"
 
 
+def _fully_observed_binary(rng, R, C, K):
+    """Row and column indices and Bernoulli-logit data of a fully observed ``R x C``
+    matrix with ``U, V ~ N(0, I_K)``."""
+    U0, V0 = rng.normal(size=(R, K)), rng.normal(size=(C, K))
+    ii, jj = np.meshgrid(np.arange(R), np.arange(C), indexing="ij")
+    s, d = ii.ravel(), jj.ravel()
+    return s, d, rng.binomial(1, expit((U0[s] * V0[d]).sum(-1)))
+
+
+def _fitted_probabilities(s, d, y, R, C, K, n_draws, **fit_kwargs):
+    """``(approx, P)``: the default-prior binary factorization fitted by H-MC-SSVI and its
+    posterior predictive probabilities of every cell from ``n_draws`` draws of q."""
+    with pm.Model():
+        U = pm.Normal("U", 0, 1, shape=(R, K))
+        V = pm.Normal("V", 0, 1, shape=(C, K))
+        pm.Bernoulli("y", logit_p=(U[s] * V[d]).sum(-1), observed=y)
+        approx = pm.fit(method="hmcssvi", random_seed=3, **fit_kwargs)
+    post = approx.sample(n_draws, random_seed=4).posterior
+    Ud = post["U"].values.reshape(-1, R, K)
+    Vd = post["V"].values.reshape(-1, C, K)
+    return approx, expit(np.einsum("sik,sjk->sij", Ud, Vd)).mean(0)
+
+
 @pytest.mark.slow
 def test_per_row_draws_fit_like_sigma_points(rng):
     """Four draws per row of the other factor give nearly the sigma points' fit: their
@@ -682,21 +705,11 @@ def test_per_row_draws_fit_like_sigma_points(rng):
     largest 0.014; one set of draws shared by all rows (the earlier form) 0.0061 and
     0.043, which this test rejects."""
     R, C, K = 120, 100, 3
-    U0, V0 = rng.normal(size=(R, K)), rng.normal(size=(C, K))
-    ii, jj = np.meshgrid(np.arange(R), np.arange(C), indexing="ij")
-    s, d = ii.ravel(), jj.ravel()
-    y = rng.binomial(1, expit((U0[s] * V0[d]).sum(-1)))
-    fits = {}
-    for draws in ("sigma", 4):
-        with pm.Model():
-            U = pm.Normal("U", 0, 1, shape=(R, K))
-            V = pm.Normal("V", 0, 1, shape=(C, K))
-            pm.Bernoulli("y", logit_p=(U[s] * V[d]).sum(-1), observed=y)
-            approx = pm.fit(method="hmcssvi", bilinear_draws=draws, random_seed=3, n=150)
-        post = approx.sample(500, random_seed=4).posterior
-        Ud = post["U"].values.reshape(-1, R, K)
-        Vd = post["V"].values.reshape(-1, C, K)
-        fits[draws] = expit(np.einsum("sik,sjk->sij", Ud, Vd)).mean(0)
+    s, d, y = _fully_observed_binary(rng, R, C, K)
+    fits = {
+        draws: _fitted_probabilities(s, d, y, R, C, K, 500, bilinear_draws=draws, n=150)[1]
+        for draws in ("sigma", 4)
+    }
     diff = np.abs(fits["sigma"] - fits[4])
     assert diff.mean() < 0.003 and diff.max() < 0.025, (diff.mean(), diff.max())
 
@@ -712,22 +725,14 @@ def test_default_stopping_rule_stops_a_factorization_once_its_predictions_settle
 
     monkeypatch.setattr(fit_loop, "PER_OBSERVATION_MIN", 1000)
     R, C, K = 100, 80, 3
-    U0, V0 = rng.normal(size=(R, K)), rng.normal(size=(C, K))
-    ii, jj = np.meshgrid(np.arange(R), np.arange(C), indexing="ij")
-    s, d = ii.ravel(), jj.ravel()
-    y = rng.binomial(1, expit((U0[s] * V0[d]).sum(-1)))
+    s, d, y = _fully_observed_binary(rng, R, C, K)
     fits = {}
     for tol in ("auto", 1e-7):
-        with pm.Model():
-            U = pm.Normal("U", 0, 1, shape=(R, K))
-            V = pm.Normal("V", 0, 1, shape=(C, K))
-            pm.Bernoulli("y", logit_p=(U[s] * V[d]).sum(-1), observed=y)
-            approx = pm.fit(method="hmcssvi", random_seed=3, tol=tol, n=3000, diagnose=False)
+        approx, probs = _fitted_probabilities(
+            s, d, y, R, C, K, 1000, tol=tol, n=3000, diagnose=False
+        )
         assert approx.converged
-        post = approx.sample(1000, random_seed=4).posterior
-        Ud = post["U"].values.reshape(-1, R, K)
-        Vd = post["V"].values.reshape(-1, C, K)
-        fits[tol] = (approx.n_iter, expit(np.einsum("sik,sjk->sij", Ud, Vd)).mean(0))
+        fits[tol] = (approx.n_iter, probs)
     assert fits["auto"][0] < 0.6 * fits[1e-7][0], (fits["auto"][0], fits[1e-7][0])
     diff = np.abs(fits["auto"][1] - fits[1e-7][1])
     assert diff.mean() < 0.005 and diff.max() < 0.03, (diff.mean(), diff.max())

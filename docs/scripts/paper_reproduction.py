@@ -1100,8 +1100,9 @@ def differences(glm: Result | None, gme: Result | None) -> str:
         "  (from `lda`) and synthetic matrices.\n"
         "- **Estimators**: expectations are computed by Gauss-Hermite quadrature in\n"
         "  predictor space instead of 10 Monte Carlo draws; for matrix factorization the\n"
-        "  draws of the other factor are 2K sigma points instead of the paper's k1\n"
-        "  random draws.\n"
+        "  draws of the other factor are its 2K sigma points instead of the paper's k1\n"
+        "  random draws, up to 4,000,000 evaluations an iteration; above that, 4 fixed\n"
+        "  draws per row of the other factor (the paper's k1 = 4, each row its own).\n"
         "- **Mean field baseline**: PyMC's ADVI on the model as written, not the\n"
         "  paper's own mean field implementation."
     )

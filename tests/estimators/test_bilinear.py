@@ -28,6 +28,31 @@ def test_recognized_as_bilinear_with_row_blocks(rng):
     assert d.structure("U") == "block 7 x (2 x 2)" and d.structure("V") == "block 5 x (2 x 2)"
 
 
+def test_fixed_row_indices_are_recognized_as_constants_and_data_stay_symbolic(rng):
+    """Fixed indices become constant row vectors (no (n, K, 1) gather repeated by every
+    evaluation and by the step); ``pm.Data`` indices stay in the graph (``set_data``)."""
+    from pytensor.graph.basic import Constant
+
+    m, s, d, _ = _conjugate_pmf(rng)
+    with m:
+        inf = pymc_mcssvi.MCSSVI(bilinear_draws="sigma")
+    ((term, _, _),) = inf.bound.bilinear.items
+    assert isinstance(term.left_rows, Constant) and isinstance(term.right_rows, Constant)
+    np.testing.assert_array_equal(term.left_rows.data, s)
+    np.testing.assert_array_equal(term.right_rows.data, d)
+
+    with pm.Model() as md:
+        si = pm.Data("si", s)
+        U = pm.Normal("U", 0, 1.3, shape=(7, 2))
+        V = pm.Normal("V", 0, 0.8, shape=(5, 2))
+        pm.Normal("y", (U[si] * V[d]).sum(-1), 0.5, observed=rng.normal(size=s.size))
+    with md:
+        inf = pymc_mcssvi.MCSSVI(bilinear_draws="sigma")
+    ((term, _, _),) = inf.bound.bilinear.items
+    assert not isinstance(term.left_rows, Constant)
+    np.testing.assert_array_equal(term.left_rows.eval(), s)
+
+
 def test_covariance_step_with_rho_one_is_lim_teh(rng):
     """S_{u_i}^{-1} = Sigma^{-1} + sum_j (m_vj m_vj^T + S_vj) / sigma^2 and the matching mean."""
     m, s, d, y = _conjugate_pmf(rng)

@@ -114,6 +114,9 @@ ADVI_LONG = "ADVI (long)"
 #: The paper's algorithms: its H-MC-SSVI (Adagrad mean step) and its S-DSVI (Adagrad steps).
 PAPER_H = "H-MC-SSVI (paper: Adagrad)"
 PAPER_S = "S-DSVI (paper: Adagrad)"
+#: H-MC-SSVI with its stochastic trust region switched off (``STOCHASTIC_MAX_MEAN_STEP``
+#: infinite): the safeguard's measurement in ``benchmarks/pmf_safeguard.py``.
+NO_TRUST = "H-MC-SSVI (no trust region)"
 ADAGRAD = ("adagrad", 1.0)
 STRUCTURED = {
     "H-MC-SSVI": "HMCSSVI",
@@ -121,6 +124,7 @@ STRUCTURED = {
     "S-DSVI": "SDSVI",
     PAPER_H: "HMCSSVI",
     PAPER_S: "SDSVI",
+    NO_TRUST: "HMCSSVI",
 }
 #: Options of the algorithms (beside the per-data-set ones of STRUCTURED_KWARGS).
 ALGO_KWARGS = {
@@ -859,6 +863,10 @@ def worker_structured(ds, method, cfg, seed, evaluator, elbo, res):
 
     algo, B = parse_variant(method)
     cls = getattr(pymc_mcssvi, STRUCTURED[algo])
+    if algo == NO_TRUST:
+        from pymc_mcssvi.algorithms import kernel
+
+        kernel.STOCHASTIC_MAX_MEAN_STEP = float("inf")
     model = build_pymc(ds)
     start = start_values(ds, seed)
     max_iter = cfg["max_iter"]

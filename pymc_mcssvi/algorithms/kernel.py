@@ -151,6 +151,13 @@ class StepKernel:
     chunk_size : int, optional
         Observations per chunk of every data term that can be split (tests, and
         users who know their memory); ``None`` chooses by ``chunk_budget``.
+    trust_region : bool, optional
+        Cap each block's mean step at :data:`STOCHASTIC_MAX_MEAN_STEP` current sds
+        (:func:`_trust_region`). ``None`` (the default): when the kernel is not
+        monotone. The fits pass whether their estimates are noisy (minibatches,
+        row subsampling, Monte Carlo draws): a deterministic full-batch bound with a
+        constant schedule takes its steps whole, so that ``rho = 1`` with a
+        Gaussian likelihood lands on the exact posterior in one step.
     """
 
     def __init__(
@@ -164,12 +171,14 @@ class StepKernel:
         nseg: int = 0,
         chunk_budget: float = None,
         chunk_size=None,
+        trust_region: bool | None = None,
     ):
         self.bound = bound
         self.rayleighs = rayleighs
         self.algorithm = algorithm
         self.schedule = schedule
         self.monotone = bool(monotone)
+        self.trust_region = not self.monotone if trust_region is None else bool(trust_region)
         self.hypers = hypers if (hypers is not None and getattr(hypers.spec, "size", 0)) else None
         self.nseg = int(nseg)
         #: Bytes of intermediates a term may hold in one evaluation before it is
@@ -367,7 +376,7 @@ class StepKernel:
             stepped, arrow = self._arrow_mean_step(stepped, new_base, g_safe, curv, rho)
             G, LS = self._arrow_view(curv, new_base[self.arrow_head].factor, state.arrow)
             arrow_state = ArrowState(X=X, G=G, LS=LS)
-        if not self.monotone and self.algorithm.parameterization == "precision":
+        if self.trust_region and self.algorithm.parameterization == "precision":
             stepped = [_trust_region(st, old) for st, old in zip(stepped, new_base, strict=True)]
         hyper_state, crosses = state.hyper, state.crosses
         if self.hypers is not None:

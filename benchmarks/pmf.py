@@ -74,6 +74,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.util
 import json
 import os
 import resource
@@ -1454,7 +1455,21 @@ def long_cap(name, method, cfg) -> float:
 
 
 def run_worker(name, method, cfg, seed, reuse, quick):
-    """Run one worker subprocess (or reuse its cached result); adds the parent's view of memory."""
+    """Run one worker subprocess (or reuse its cached result); adds the parent's view of memory.
+
+    Raises
+    ------
+    RuntimeError
+        A NumPyro method without NumPyro installed (the ``bench`` extra): before the
+        worker starts, instead of a row that records the import error.
+    """
+    if method in ("NumPyro AutoNormal", "MAP (AutoDelta)") and not importlib.util.find_spec(
+        "numpyro"
+    ):
+        raise RuntimeError(
+            f"{method} needs NumPyro: install the benchmark extra first "
+            "(`make bench`, or `pip install -e '.[bench]'`)"
+        )
     CACHE.mkdir(parents=True, exist_ok=True)
     key = spec_key(name, method, cfg, seed)
     slug = method.replace(" ", "_").replace("(", "").replace(")", "")

@@ -1454,6 +1454,53 @@ def long_cap(name, method, cfg) -> float:
     return cfg["advi_long_max_seconds"].get(name, 0.0) if method == ADVI_LONG else 0.0
 
 
+def run_section(argv, description, results_path, section, datasets, methods_of, config, render):
+    """Command line of a benchmark that runs :func:`run_worker` over data sets and
+    methods and writes one section of ``docs/benchmarks.md`` (``pmf_scale.py``,
+    ``pmf_safeguard.py``).
+
+    ``methods_of(name)`` lists a data set's methods, ``config()`` gives the workers'
+    configuration and ``render(results, run_info)`` the section's markdown. Options:
+    ``--only`` data sets, ``--reuse`` cached workers, ``--report-only``, ``--no-docs``,
+    ``--notes FILE`` (markdown added after the tables). Results go to
+    ``results_path`` after every worker.
+    """
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--only", default=None, help="comma-separated data sets")
+    parser.add_argument("--reuse", action="store_true")
+    parser.add_argument("--report-only", action="store_true")
+    parser.add_argument("--no-docs", action="store_true")
+    parser.add_argument("--notes", default=None, help="markdown file added after the tables")
+    args = parser.parse_args(argv)
+    saved = json.loads(results_path.read_text()) if results_path.exists() else {}
+    results = saved.get("results", {})
+    if not args.report_only:
+        cfg = config()
+        loads = [loadavg()]
+        for name in args.only.split(",") if args.only else datasets:
+            results[name] = {}
+            for method in methods_of(name):
+                results[name][method] = run_worker(name, method, cfg, 0, args.reuse, False)
+                common.save_json({"results": results, "run": saved.get("run")}, results_path)
+        loads.append(loadavg())
+        info, state = common.machine_info(), common.code_state()
+        versions = ", ".join(f"{k} {v}" for k, v in common.library_versions().items())
+        saved["run"] = {
+            "date": common.today(),
+            "machine": f"{info.get('cpu_model', info['machine'])}, {info['cpu_count']} logical "
+            f"CPUs, {info.get('mem_total_gb')} GB, {versions}",
+            "load": f"{loads[0]} at the start, {loads[-1]} at the end",
+            "commit": f"{state.get('commit')} (plugin sources {state['plugin_sources_sha1']})",
+        }
+        common.save_json({"results": results, "run": saved["run"]}, results_path)
+    text = render(results, saved["run"])
+    if args.notes:
+        text += "\n" + Path(args.notes).read_text()
+    log(text)
+    if not args.no_docs:
+        common.write_section(section, text)
+
+
 def run_worker(name, method, cfg, seed, reuse, quick):
     """Run one worker subprocess (or reuse its cached result); adds the parent's view of memory.
 

@@ -29,17 +29,14 @@ Run ``python benchmarks/pmf_safeguard.py`` (``--only``, ``--reuse``,
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
 import pmf  # noqa: E402
-from common import fmt, log  # noqa: E402
+from common import fmt  # noqa: E402
 
 SECTION = "pmf_safeguard"
 RESULTS = pmf.RESULTS / "pmf_safeguard.json"
@@ -113,39 +110,16 @@ def render(results: dict, run_info: dict) -> str:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", default=None, help="comma-separated data sets")
-    parser.add_argument("--reuse", action="store_true")
-    parser.add_argument("--report-only", action="store_true")
-    parser.add_argument("--no-docs", action="store_true")
-    parser.add_argument("--notes", default=None, help="markdown file added after the table")
-    args = parser.parse_args(argv)
-    saved = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
-    results = saved.get("results", {})
-    if not args.report_only:
-        cfg = config()
-        loads = [common.loadavg()]
-        for name in args.only.split(",") if args.only else DATASETS:
-            results[name] = {}
-            for method in METHODS:
-                results[name][method] = pmf.run_worker(name, method, cfg, 0, args.reuse, False)
-                common.save_json({"results": results, "run": saved.get("run")}, RESULTS)
-        loads.append(common.loadavg())
-        info, state = common.machine_info(), common.code_state()
-        saved["run"] = {
-            "date": common.today(),
-            "machine": f"{info.get('cpu_model', info['machine'])}, {info['cpu_count']} logical "
-            f"CPUs, {info.get('mem_total_gb')} GB",
-            "load": f"{loads[0]} at the start, {loads[-1]} at the end",
-            "commit": f"{state.get('commit')} (plugin sources {state['plugin_sources_sha1']})",
-        }
-        common.save_json({"results": results, "run": saved["run"]}, RESULTS)
-    text = render(results, saved["run"])
-    if args.notes:
-        text += "\n" + Path(args.notes).read_text()
-    log(text)
-    if not args.no_docs:
-        common.write_section(SECTION, text)
+    pmf.run_section(
+        argv,
+        __doc__.splitlines()[0],
+        RESULTS,
+        SECTION,
+        DATASETS,
+        lambda name: METHODS,
+        config,
+        render,
+    )
 
 
 if __name__ == "__main__":

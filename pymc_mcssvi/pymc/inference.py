@@ -408,7 +408,7 @@ class StructuredVI(Inference):
                 nseg=len(q0.means),
                 chunk_size=chunk_size,
                 # noisy estimates only: a deterministic full-batch step is taken whole
-                trust_region=not monotone and (minibatch or not deterministic),
+                trust_region=minibatch or not deterministic,
             )
             #: The fit's explicit state (:class:`~pymc_mcssvi.algorithms.state.KernelState`)
             #: in the shared variables the compiled step updates.

@@ -121,6 +121,7 @@ class GeneralEstimator:
         self.n_draws = int(n_draws) + (int(n_draws) % 2 if fixed else 0)
         self.fixed = fixed
         self.seed = seed
+        self._fixed_eps = {}
         self.active = bool(tlm.general_terms)
         #: ids of the Gaussian globals the general terms read
         self.reads: set[int] = set()
@@ -168,9 +169,16 @@ class GeneralEstimator:
         shape = (self.n_draws, seg.rows, seg.k)
         if not self.fixed:
             return pt.random.normal(size=shape)
-        rng = np.random.default_rng(self.seed + 7919 * seg.rows + seg.k)
-        half = moment_matched(rng.standard_normal((self.n_draws // 2, seg.rows, seg.k)))
-        return pt.constant(np.concatenate([half, -half]))
+        key = (seg.rows, seg.k)
+        if key not in self._fixed_eps:
+            rng = np.random.default_rng(self.seed + 7919 * seg.rows + seg.k)
+            half = moment_matched(rng.standard_normal((self.n_draws // 2, seg.rows, seg.k)))
+            # a shared variable, not a constant: an argument of the compiled step, which
+            # JAX does not embed in (and XLA does not fold through) its program
+            self._fixed_eps[key] = pytensor.shared(
+                np.concatenate([half, -half]), name=f"fixed_eps_{seg.rows}x{seg.k}"
+            )
+        return self._fixed_eps[key]
 
     def expectations(
         self,

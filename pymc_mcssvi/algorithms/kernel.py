@@ -205,6 +205,9 @@ class StepKernel:
         self.arrow_head = (
             head if (self.n_phases == 1 and algorithm.parameterization == "precision") else None
         )
+        self.arrow_body = (
+            set(getattr(bound, "arrow_body", ())) if self.arrow_head is not None else set()
+        )
 
     # ------------------------------------------------------------------- state
     def init_state(self, means, factors) -> KernelState:
@@ -226,12 +229,16 @@ class StepKernel:
         if self.arrow_head is not None:
             head = self.arrow_head
             p = np.shape(means[head])[-1]
+            # segments not coupled with the head: no cross (X) and a zero G, kept as None
             arrow = ArrowState(
                 X=tuple(
-                    None if s == head else np.zeros(np.shape(m) + (p,)) for s, m in enumerate(means)
+                    np.zeros(np.shape(m) + (p,)) if s in self.arrow_body else None
+                    for s, m in enumerate(means)
                 ),
                 G=tuple(
-                    np.eye(p)[None] if s == head else np.zeros(np.shape(m) + (p,))
+                    np.eye(p)[None]
+                    if s == head
+                    else (np.zeros(np.shape(m) + (p,)) if s in self.arrow_body else None)
                     for s, m in enumerate(means)
                 ),
                 LS=np.asarray(factors[head])[0],
@@ -498,6 +505,9 @@ class StepKernel:
         xs = []
         if self.arrow_head is not None:
             crosses = ev.crosses if ev.crosses is not None else [None] * nseg
+            for s, (c, b) in enumerate(zip(crosses, state.arrow.X, strict=True)):
+                if c is not None and b is None:
+                    raise AssertionError(f"segment {s} has a cross block outside the arrow's body")
             xs = [
                 pt.zeros(b.type.shape) if (c is None and b is not None) else c
                 for c, b in zip(crosses, state.arrow.X, strict=True)
@@ -622,11 +632,15 @@ class StepKernel:
         """
         G, L_S = arrow_view(curv)
         ok = pt.all(pt.isfinite(L_S))
-        for x in G:
-            ok = ok & pt.all(pt.isfinite(x))
+        for x, before in zip(G, old.G, strict=True):
+            if before is not None:
+                ok = ok & pt.all(pt.isfinite(x))
         LS = pt.switch(ok, L_S, head_factor[0])
         new_G = []
-        for s, x in enumerate(G):
+        for s, (x, before) in enumerate(zip(G, old.G, strict=True)):
+            if before is None:  # not coupled with the head: G is zero, kept as None
+                new_G.append(None)
+                continue
             plain = x if s == self.arrow_head else pt.zeros_like(x)  # the head's G is I
             new_G.append(pt.switch(ok, x, plain))
         return tuple(new_G), LS

@@ -31,7 +31,7 @@ from pymc_mcssvi.estimators.general import GeneralEstimator
 from pymc_mcssvi.estimators.predictor import PredictorGeometry
 from pymc_mcssvi.families.gaussian import GaussianBlocks, covariance, entropy
 from pymc_mcssvi.recognize.graph import evaluate_static
-from pymc_mcssvi.recognize.layout import arrow_head
+from pymc_mcssvi.recognize.layout import arrow_body, arrow_head
 from pymc_mcssvi.terms.affine import AffineTerm
 from pymc_mcssvi.terms.base import EvalOptions, QView, Term, TermStats, add_to
 from pymc_mcssvi.terms.bilinear import BilinearTerms
@@ -129,6 +129,8 @@ class StructuredBound:
             affine_geometries=affine,
         )
         self.arrow_head = arrow_head(tlm)
+        #: the segments coupled with the head (cross blocks), see :func:`arrow_body`
+        self.arrow_body = arrow_body(tlm, self.arrow_head)
         self.terms = self._make_terms(estimator, n_points)
 
     def _make_terms(self, estimator, n_points) -> list[Term]:

@@ -205,7 +205,10 @@ def _eye_like(factor):
     """
     shape = factor.type.shape
     if None not in shape:
-        return pt.constant(np.broadcast_to(np.eye(shape[-1]), shape).astype(factor.dtype))
+        # one K x K constant broadcast at run time: an (R, K, K) constant per call
+        # (26 MB for 1,350 blocks of 49) is copied into the compiled program each time
+        eye = pt.constant(np.eye(shape[-1], dtype=factor.dtype))
+        return pt.broadcast_to(eye, tuple(int(d) for d in shape))
     k = factor.shape[-1]
     return pt.broadcast_to(pt.eye(k, dtype=factor.dtype), factor.shape)
 

@@ -262,7 +262,8 @@ class StructuredGaussianGroup(Group):
         p = L_S.type.shape[-1]
         out = pt.zeros((self.ddim, p))
         for G_s, idx in zip(G, self.flat_maps, strict=True):
-            out = pt.set_subtensor(out[idx.reshape(-1)], G_s.reshape((-1, p)))
+            if G_s is not None:  # None: a segment not coupled with the head (zero)
+                out = pt.set_subtensor(out[idx.reshape(-1)], G_s.reshape((-1, p)))
         return out
 
     def _arrow_covariance(self):

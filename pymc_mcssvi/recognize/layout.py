@@ -220,9 +220,21 @@ def arrow_head(tlm) -> int | None:
     if len(full) != 1 or tlm.bilinear_terms or tlm.segments[full[0]].dim > ARROW_MAX_HEAD:
         return None
     (head,) = full
+    return head if arrow_body(tlm, head) else None
+
+
+def arrow_body(tlm, head) -> list[int]:
+    """The segments the arrow couples with ``head``: those that some predictor term
+    (or a two-predictor term's sum) reads together with it, the only terms with cross
+    blocks (:meth:`~pymc_mcssvi.estimators.predictor.PredictorGeometry.accumulate_cross`).
+    The others keep no ``(R, K, p)`` cross state (a topic model's 500,000 topic logits
+    against a 49-dimensional head: 196 MB per array)."""
+    if head is None:
+        return []
     seg_of = {gid: s for s, seg in enumerate(tlm.segments) for gid in seg.members}
+    body = set()
     for term in tlm.predictor_terms + [p.parts[2] for p in tlm.pair_terms]:
         segs = {seg_of[t.source] for t in term.terms}
-        if head in segs and len(segs) > 1:
-            return head
-    return None
+        if head in segs:
+            body |= segs - {head}
+    return sorted(body)

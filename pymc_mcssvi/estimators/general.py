@@ -40,6 +40,7 @@ from pytensor.graph.basic import Constant
 from pytensor.graph.replace import graph_replace
 from pytensor.graph.traversal import graph_inputs, io_toposort
 
+from pymc_mcssvi.estimators.parts import ObservationParts
 from pymc_mcssvi.families.gaussian import covariance, sample
 from pymc_mcssvi.recognize.graph import (
     depends_on_any,
@@ -164,6 +165,11 @@ class GeneralEstimator:
         per_obs = self.per_observation
         if per_obs is not None and per_obs.cost >= n_colors * per_obs.n_obs:
             self.per_observation = None  # the colored products are cheaper
+        #: the terms' sum over observations part by part (every Hessian entry from
+        #: Stein's identity, so only the value and gradient are needed), or None
+        self.parts = None
+        if not colored.size and self.per_observation is None:
+            self.parts = ObservationParts.build(total, w, self.bytes_per_draw() * 2 / 3)
 
     def _eps(self, seg):
         shape = (self.n_draws, seg.rows, seg.k)
@@ -217,10 +223,16 @@ class GeneralEstimator:
         if need_hessian and self.per_observation is not None:
             return self.per_observation.expectations(W, self.maps, average)
         graphs = self._graphs if (need_hessian and not by_color) else self._graphs[:2]
-        vals = vectorize_graph(list(graphs), {self._w: W})
+        if self.parts is not None:
+            vals = [*self.parts.values(vectorize_graph, W)]
+            vals += vectorize_graph(list(graphs[2:]), {self._w: W})
+        else:
+            vals = vectorize_graph(list(graphs), {self._w: W})
         T = average(vals[0])
         g = average(vals[1])
-        grads = [g[idx] for idx in self.maps]
+        # segments the terms do not read: no gradient, no Hessian
+        read = [bool(set(seg.members) & self.reads) for seg in self.tlm.segments]
+        grads = [g[idx] if r else None for idx, r in zip(self.maps, read, strict=True)]
         if not need_hessian:
             return T, grads, [None] * len(states)
         if by_color:
@@ -229,6 +241,9 @@ class GeneralEstimator:
             HV = average(vals[2])
         hess = []
         for s, idx in enumerate(self.maps):
+            if not read[s]:
+                hess.append(None)
+                continue
             if s in stein_rows:
                 hess.append(_stein_blocks(vals[1][:, idx], *stein_rows[s], average))
                 continue
@@ -282,6 +297,8 @@ class GeneralEstimator:
         # the value and the gradient, and one color's product at a time (a scan) or
         # every color's at once
         n_colors = 1 if by_color else int(self._color_of[:, 0].max()) + 1
+        if getattr(self, "parts", None) is not None:  # one part's at a time
+            return 8.0 * elements * 2 / self.parts.n_parts
         return 8.0 * elements * (2 + n_colors)
 
 
@@ -332,6 +349,12 @@ def _blocks(HV, idx, color_of):
     arrays broadcast over ``(R, K, 1)`` and ``(R, 1, K)``.
     """
     color, row = color_of[idx, 0], color_of[idx, 1]
+    if np.any(color < 0):  # globals the terms do not read (or Stein's): zero there
+        uncolored = (color < 0)[:, :, None] | (color < 0)[:, None, :]
+        own = color_of.copy()
+        own[own[:, 0] < 0, 0] = 0
+        blocks = _blocks(HV, idx, own)
+        return pt.switch(pt.constant(uncolored), 0.0, blocks)
     by_b = HV[color[:, None, :], idx[:, :, None]]  # HV[c(b), a]
     if np.all(row < 0):  # every coordinate has its own color: the dense blocks
         return by_b

@@ -156,8 +156,8 @@ def hessian_colors(gaussians, rows, read=None, diagonal=()) -> np.ndarray:
     for the others, which have a color of their own). ``rows`` are the ids of the
     row-separable globals (:func:`separable_rows`); the number of colors is the
     number of products the Hessian takes. ``read`` (ids of the globals the terms
-    read; default all) leaves the others one color for all of them: their products
-    are zero. ``diagonal`` (ids of globals whose q is diagonal and whose Hessian
+    read; default all) gives the others color ``-1``: their Hessian is zero, no
+    product is needed. ``diagonal`` (ids of globals whose q is diagonal and whose Hessian
     diagonal comes from the gradients alone, Stein's identity) get color ``-1``:
     no product.
 
@@ -168,20 +168,16 @@ def hessian_colors(gaussians, rows, read=None, diagonal=()) -> np.ndarray:
     >>> hessian_colors(gs, rows=(0,))[:, 0].tolist()
     [0, 1, 0, 1, 2, 3, 4]
     >>> hessian_colors(gs, rows=(0,), read={0})[:, 0].tolist()
-    [0, 1, 0, 1, 2, 2, 2]
+    [0, 1, 0, 1, -1, -1, -1]
     >>> hessian_colors(gs, rows=(0,), diagonal=(1,))[:, 0].tolist()
     [0, 1, 0, 1, -1, -1, -1]
     """
     offsets = flat_offsets(gaussians)
     color_of = np.zeros((int(offsets[-1]), 2), dtype="int64")
     n = 0
-    unread = []
     for i, g in enumerate(gaussians):
         pos = offsets[i] + np.arange(g.size)
-        if read is not None and i not in read:
-            unread.append(pos)
-            continue
-        if i in diagonal:
+        if (read is not None and i not in read) or i in diagonal:
             color_of[pos] = -1
             continue
         if i in rows:
@@ -193,7 +189,4 @@ def hessian_colors(gaussians, rows, read=None, diagonal=()) -> np.ndarray:
         else:
             color_of[pos] = np.column_stack([n + np.arange(g.size), np.full(g.size, -1)])
             n += g.size
-    if unread:
-        pos = np.concatenate(unread)
-        color_of[pos] = np.column_stack([np.full(pos.size, n), np.full(pos.size, -1)])
     return color_of

@@ -65,6 +65,18 @@ def observation_axes(total: Variable, leaves: list[Variable]):
     to the axis they lie along, ``reducers`` lists the ``Sum`` nodes over that axis.
     ``None`` when ``total`` is not a sum over the leaves' rows (see the module
     docstring), e.g. when an operation mixes observations or reads their number.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import pytensor.tensor as pt
+    >>> x = pt.vector("x", shape=(3,))
+    >>> d = pt.constant(np.arange(2000) % 3)
+    >>> axes, sums = observation_axes(pt.log(pt.exp(x)[d]).sum(), [d])
+    >>> len(sums)
+    1
+    >>> observation_axes(pt.log(pt.exp(x)[d].sum()), [d]) is None  # the log of the sum
+    True
     """
     axes = {leaf: 0 for leaf in leaves}
     reduced: set[Variable] = set()

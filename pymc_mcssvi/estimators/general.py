@@ -123,6 +123,9 @@ class GeneralEstimator:
         self.fixed = fixed
         self.seed = seed
         self._fixed_eps = {}
+        #: the terms' sum over observations part by part (every Hessian entry from
+        #: Stein's identity, so only the value and gradient are needed), or None
+        self.parts = None
         self.active = bool(tlm.general_terms)
         #: ids of the Gaussian globals the general terms read
         self.reads: set[int] = set()
@@ -165,11 +168,9 @@ class GeneralEstimator:
         per_obs = self.per_observation
         if per_obs is not None and per_obs.cost >= n_colors * per_obs.n_obs:
             self.per_observation = None  # the colored products are cheaper
-        #: the terms' sum over observations part by part (every Hessian entry from
-        #: Stein's identity, so only the value and gradient are needed), or None
-        self.parts = None
         if not colored.size and self.per_observation is None:
-            self.parts = ObservationParts.build(total, w, self.bytes_per_draw() * 2 / 3)
+            # the value's and the gradient's intermediates of one draw
+            self.parts = ObservationParts.build(total, w, 16.0 * self._dependent_elements())
 
     def _eps(self, seg):
         shape = (self.n_draws, seg.rows, seg.k)
@@ -283,23 +284,28 @@ class GeneralEstimator:
         """Rough bytes of one draw's intermediates in a chunked step: the static sizes
         of the nodes of the terms' log density that depend on the globals, for the
         value, the gradient and the colored Hessian-vector products (one at a time
-        with ``by_color``)."""
+        with ``by_color``), or for one part's value and gradient (:attr:`parts`)."""
+        elements = self._dependent_elements()
+        if self.parts is not None:  # one part's value and gradient at a time
+            return 8.0 * elements * 2 / self.parts.n_parts
+        # the value and the gradient, and one color's product at a time (a scan) or
+        # every color's at once
+        n_colors = 1 if by_color else int(self._color_of[:, 0].max()) + 1
+        return 8.0 * elements * (2 + n_colors)
+
+    def _dependent_elements(self) -> float:
+        """Entries of the nodes of the terms' log density that depend on the globals."""
         total, _, _ = self._graphs
         dependent = {self._w}
-        elements = 0
+        elements = 0.0
         for node in io_toposort([self._w], [total]):
             if not any(i in dependent for i in node.inputs):
                 continue
             dependent.update(node.outputs)
             for out in node.outputs:
                 shape = out.type.shape
-                elements += int(np.prod([1 if d is None else d for d in shape], dtype=float))
-        # the value and the gradient, and one color's product at a time (a scan) or
-        # every color's at once
-        n_colors = 1 if by_color else int(self._color_of[:, 0].max()) + 1
-        if getattr(self, "parts", None) is not None:  # one part's at a time
-            return 8.0 * elements * 2 / self.parts.n_parts
-        return 8.0 * elements * (2 + n_colors)
+                elements += float(np.prod([1 if d is None else d for d in shape], dtype=float))
+        return elements
 
 
 def _average(x):

@@ -225,7 +225,7 @@ class GeneralEstimator:
             return self.per_observation.expectations(W, self.maps, average)
         graphs = self._graphs if (need_hessian and not by_color) else self._graphs[:2]
         if self.parts is not None:
-            vals = [*self.parts.values(vectorize_graph, W)]
+            vals = [*self.parts.values(vectorize_graph, W, scan_mode)]
             vals += vectorize_graph(list(graphs[2:]), {self._w: W})
         else:
             vals = vectorize_graph(list(graphs), {self._w: W})

@@ -29,6 +29,8 @@ observations, masked out before the sum.
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytensor
 import pytensor.tensor as pt
@@ -231,10 +233,11 @@ class ObservationParts:
             return cls(total, w, leaves, reducers, axes, min(n_parts, n // 2))
         return None
 
-    def values(self, vectorize, W):
+    def values(self, vectorize, W, mode=None):
         """Per draw the value and the gradient with respect to ``w``, summed over the
         parts: ``(n,)`` and ``(n, dim)`` for the draws ``W`` (``(n, dim)``).
-        ``vectorize(graphs, replace)`` batches a graph over the draws."""
+        ``vectorize(graphs, replace)`` batches a graph over the draws; ``mode`` is the
+        scan's compile mode (the step's, as for the kernel's chunk scans)."""
 
         def step(*args):
             *rows, mask, value, grad = args
@@ -244,7 +247,9 @@ class ObservationParts:
 
         n = W.shape[0]
         init = [pt.zeros((n,)), pt.zeros((n, self.w.type.shape[0]))]
-        value, grad = pytensor.scan(
-            step, sequences=self.sequences, outputs_info=init, return_updates=False
-        )
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "The `mode` argument of `scan`", FutureWarning)
+            value, grad = pytensor.scan(
+                step, sequences=self.sequences, outputs_info=init, return_updates=False, mode=mode
+            )
         return value[-1], grad[-1]

@@ -23,6 +23,7 @@ raises :class:`~pymc_mcssvi.exceptions.DivergenceError` and the base is kept.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from typing import NamedTuple
 
@@ -208,6 +209,8 @@ class StepKernel:
         self.arrow_body = (
             set(getattr(bound, "arrow_body", ())) if self.arrow_head is not None else set()
         )
+        #: ``row_batch``: the windows of rows of the batched segment a step moves
+        self.windows = getattr(bound, "row_windows", None)
 
     # ------------------------------------------------------------------- state
     def init_state(self, means, factors) -> KernelState:
@@ -367,6 +370,10 @@ class StepKernel:
         g_safe = [pt.switch(pt.isfinite(x), x, 0.0) for x in g]
         H_safe = [pt.switch(pt.isfinite(x), x, 0.0) for x in H]
         stepped, stepped_opt = alg.step(new_base, g_safe, H_safe, rho, scale, t, opt)
+        if self.windows is not None:
+            stepped, stepped_opt = self._window_step(
+                state.t, accept, new_base, g_safe, H_safe, scale, t, opt, stepped, stepped_opt
+            )
         arrow_state, arrow = state.arrow, None
         if self.arrow_head is not None:
             X = iter(
@@ -595,6 +602,28 @@ class StepKernel:
         sums = sums if isinstance(sums, list | tuple) else [sums]
         return rebuild([x[-1] for x in sums])
 
+    def _window_step(self, t_old, accept, base, g, H, scale, t, opt, stepped, stepped_opt):
+        """``row_batch``: the batched segment's step moves the rows of the window whose
+        ``g`` and ``H`` the base holds (the candidate's window if it was accepted, the
+        last accepted one's if not) and keeps its other rows. Those rows take the
+        schedule counted in passes over the windows (each row is evaluated once a
+        pass), with ``tau = 0``: the first pass takes whole natural steps."""
+        s, n = self.bound.general.batched, self.windows.n_windows
+        evaluated = pt.maximum(pt.cast(t_old, "int64") - pt.cast(~accept, "int64"), 0)
+        rows = self.bound.general.window_rows(evaluated % n)
+        by_pass = dataclasses.replace(self.schedule, tau=0.0)
+        rho_rows = pt.minimum(by_pass.base(t / n) * scale, 1.0)
+        (moved,), (moved_opt,) = self.algorithm.step(
+            [base[s]], [g[s]], [H[s]], rho_rows, scale, t, [opt[s]]
+        )
+        stepped, stepped_opt = list(stepped), list(stepped_opt)
+        stepped[s] = GaussianBlocks(
+            pt.switch(rows[:, None], moved.mean, base[s].mean),
+            pt.switch(rows[:, None, None], moved.factor, base[s].factor),
+        )
+        stepped_opt[s] = _select_rows(rows, moved_opt, opt[s])
+        return stepped, stepped_opt
+
     def _arrow_mean_step(self, stepped, base, g, curv, rho):
         """Damped Newton step of the means with the arrow curvature (head-body coupling kept).
 
@@ -683,6 +712,16 @@ def _trust_region(stepped: GaussianBlocks, old: GaussianBlocks) -> GaussianBlock
     length = pt.sqrt(pt.sum(z**2, axis=-1, keepdims=True))
     shrink = pt.minimum(1.0, STOCHASTIC_MAX_MEAN_STEP / pt.maximum(length, 1e-300))
     return GaussianBlocks(old.mean + shrink * delta, stepped.factor)
+
+
+def _select_rows(rows, a, b):
+    """``a`` where ``rows`` (``(R,)`` booleans), else ``b``, for every array of an
+    optimizer state with ``R`` leading rows (the others from ``a``)."""
+    if isinstance(a, tuple):
+        return tuple(_select_rows(rows, x, y) for x, y in zip(a, b, strict=True))
+    if a.type.ndim == 0 or a.type.shape[0] != rows.type.shape[0]:
+        return a
+    return pt.switch(rows.reshape((-1,) + (1,) * (a.type.ndim - 1)), a, b)
 
 
 def _select_tree(cond, a, b):

@@ -88,6 +88,10 @@ class StructuredBound:
     row_subsample : int, optional
         Matrix factorization: observations per row in each iteration
         (:class:`~pymc_mcssvi.estimators.bilinear.BilinearEstimator`).
+    row_batch : int, optional
+        Rows of a per-row global whose Monte Carlo terms each evaluation takes
+        (:class:`~pymc_mcssvi.estimators.general.GeneralEstimator`); the steps then
+        move those rows only, blockwise (no arrow).
     """
 
     def __init__(
@@ -101,6 +105,7 @@ class StructuredBound:
         seed: int = 0,
         bilinear_draws=4,
         row_subsample=None,
+        row_batch=None,
     ):
         self.tlm = tlm
         self.parameterization = parameterization
@@ -116,7 +121,11 @@ class StructuredBound:
         self.geometries = [geometry(term) for term in tlm.predictor_terms]
         #: per two-predictor term: the geometries of eta_1, eta_2 and their sum
         self.pair_geometries = [tuple(geometry(t) for t in p.parts) for p in tlm.pair_terms]
-        self.general = GeneralEstimator(tlm, n_draws=n_draws, fixed=fixed_draws, seed=seed)
+        self.general = GeneralEstimator(
+            tlm, n_draws=n_draws, fixed=fixed_draws, seed=seed, row_batch=row_batch
+        )
+        #: the windows of rows a step moves (``row_batch``), or None
+        self.row_windows = self.general.windows
         affine = [None if t.affine is None else geometry(t.affine) for t in tlm.bilinear_terms]
         self.bilinear = BilinearEstimator(
             tlm,
@@ -128,7 +137,8 @@ class StructuredBound:
             row_subsample=row_subsample,
             affine_geometries=affine,
         )
-        self.arrow_head = arrow_head(tlm)
+        # a window's step moves some rows of a segment: blockwise, without the arrow
+        self.arrow_head = arrow_head(tlm) if self.row_windows is None else None
         #: the segments coupled with the head (cross blocks), see :func:`arrow_body`
         self.arrow_body = arrow_body(tlm, self.arrow_head)
         self.terms = self._make_terms(estimator, n_points)

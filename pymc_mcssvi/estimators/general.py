@@ -40,7 +40,8 @@ from pytensor.graph.basic import Constant
 from pytensor.graph.replace import graph_replace
 from pytensor.graph.traversal import graph_inputs, io_toposort
 
-from pymc_mcssvi.estimators.parts import ObservationParts
+from pymc_mcssvi.estimators.parts import ObservationParts, RowWindows
+from pymc_mcssvi.exceptions import UnsupportedModelError
 from pymc_mcssvi.families.gaussian import covariance, sample
 from pymc_mcssvi.recognize.graph import (
     depends_on_any,
@@ -110,12 +111,30 @@ class GeneralEstimator:
         Use the same antithetic draws every iteration.
     seed : int
         Seed of the fixed draws.
+    row_batch : int, optional
+        Evaluate the terms on the observations of ``row_batch`` rows of a per-row
+        global at a time (:class:`~pymc_mcssvi.estimators.parts.RowWindows`, see
+        :attr:`windows`); the other globals' derivatives are scaled to all rows.
     """
 
-    def __init__(self, tlm, n_draws: int = 64, fixed: bool = True, seed: int = 0):
+    def __init__(self, tlm, n_draws: int = 64, fixed: bool = True, seed: int = 0, row_batch=None):
         self.tlm = tlm
         self.offsets, self.dim, self.maps = flat_indices(tlm)
+        #: with ``row_batch``: the windows of the rows and the segment they batch
+        self.windows, self.batched = None, None
+        batched = _batchable(tlm) if row_batch is not None else []
+        # With row_batch every Hessian block of the globals the terms read comes from
+        # the gradients (Stein's identity): a window's products would be taken over
+        # all rows. Globals in full segments still need products (refused below).
+        self._diagonal = tuple(tlm.general_diagonal)
         self._blocks_stein = tuple(tlm.general_stein_blocks)
+        if row_batch is not None:
+            read = general_reads(tlm)
+            members = lambda kind: {  # noqa: E731
+                g for seg in tlm.segments if seg.kind == kind for g in seg.members if g in read
+            }
+            self._diagonal = tuple(sorted(set(self._diagonal) | members("diag")))
+            self._blocks_stein = tuple(sorted(set(self._blocks_stein) | members("block")))
         # Stein's blocks need more draws than block coordinates (per antithetic half)
         k_stein = max((seg.k for seg in tlm.segments if self._stein_block_segment(seg)), default=0)
         n_draws = max(int(n_draws), 2 * (k_stein + 1))
@@ -140,7 +159,6 @@ class GeneralEstimator:
         # one Hessian-vector product per color: coordinate k of every row of the
         # row-separable globals at once, and one per coordinate of the others
         read = self.reads = general_reads(tlm)
-        self._diagonal = tlm.general_diagonal
         no_products = tuple(self._diagonal) + self._blocks_stein
         self._color_of = hessian_colors(tlm.gaussians, tlm.general_rows, read, no_products)
         n_colors = max(int(self._color_of[:, 0].max()) + 1, 1)
@@ -164,13 +182,82 @@ class GeneralEstimator:
         #: holds one product's intermediates, not every color's)
         self._hvp, self._color, self._colors = hvp, c, colors
         self._products = bool(colored.size)
-        self.per_observation = PerObservation.build(tlm, self.offsets, self.maps)
+        self.per_observation = None
+        if row_batch is None:  # (per observation: all of them at once)
+            self.per_observation = PerObservation.build(tlm, self.offsets, self.maps)
         per_obs = self.per_observation
         if per_obs is not None and per_obs.cost >= n_colors * per_obs.n_obs:
             self.per_observation = None  # the colored products are cheaper
-        if not colored.size and self.per_observation is None:
+        if row_batch is not None:
+            self._row_windows(total, w, batched, row_batch)
+        elif not colored.size and self.per_observation is None:
             # the value's and the gradient's intermediates of one draw
             self.parts = ObservationParts.build(total, w, 16.0 * self._dependent_elements())
+
+    def _row_windows(self, total, w, batched, row_batch):
+        """Set :attr:`windows` and :attr:`batched` for ``row_batch`` rows a step, or
+        raise :class:`~pymc_mcssvi.exceptions.UnsupportedModelError` saying why not."""
+        if not batched:
+            read = general_reads(self.tlm)
+            shared = [
+                self.tlm.gaussians[g].name
+                for seg in self.tlm.segments
+                if seg.kind == "full"
+                for g in seg.members
+                if g in read and len(self.tlm.gaussians[g].shape) >= 1
+            ]
+            hint = (
+                f"; {', '.join(map(repr, shared))} share one full covariance: give the "
+                f"per-row one blocks of its own, e.g. cov={{{shared[0]!r}: 'block'}}"
+                if shared
+                else ""
+            )
+            raise ValueError(
+                "row_batch moves a window of the rows of a per-row global (one block of q "
+                "per row, such as a topic model's document logits) at each step, and the "
+                f"Monte Carlo terms of this model read no such global{hint}; or drop "
+                "row_batch"
+            )
+        elements = 16.0 * self._dependent_elements()
+        reasons = []
+        for s in batched:
+            seg = self.tlm.segments[s]
+            (gid,) = seg.members
+            g = self.tlm.gaussians[gid]
+            positions = (self.offsets[gid] + np.arange(g.size)).reshape((g.shape[0], -1))
+            windows, reason = RowWindows.build(
+                total, w, elements, positions, row_batch, check=self._window_gradient
+            )
+            if windows is None:
+                reasons.append(f"{g.name!r}: {reason}")
+                continue
+            rows = np.asarray(seg.row_of[gid]).reshape((g.shape[0], -1))
+            masks = np.zeros((windows.n_windows, seg.rows), dtype=bool)
+            for j, (lo, hi) in enumerate(zip(windows.lo, windows.hi, strict=True)):
+                masks[j, rows[lo:hi].ravel()] = True
+            self.windows, self.batched, self._window_masks = windows, s, masks
+            return
+        first = self.tlm.gaussians[self.tlm.segments[batched[0]].members[0]].name
+        raise UnsupportedModelError(
+            first,
+            "row_batch cannot split the Monte Carlo terms' observations by its rows ("
+            + "; ".join(reasons)
+            + ")",
+            "drop row_batch",
+        )
+
+    def _window_gradient(self, parts, window):
+        """The gradient of ``parts``' window ``window`` with respect to the flat globals at
+        a random point (one draw), to check which rows a window's observations read."""
+        W = pt.matrix("w_check", shape=(1, self.dim))
+        _, grad = parts.values(vectorize_graph, W, window=pt.constant(window))
+        fn = pytensor.function([W], grad[0], mode="FAST_COMPILE")
+        rng = np.random.default_rng(0)
+        return fn(0.1 * rng.standard_normal((1, self.dim)))
+
+    def window_rows(self, window):
+        """``(rows,)`` booleans of the batched segment: the rows window ``window`` moves."""
+        return pt.constant(self._window_masks)[window]
 
     def _eps(self, seg):
         shape = (self.n_draws, seg.rows, seg.k)
@@ -195,8 +282,13 @@ class GeneralEstimator:
         draws=None,
         by_color=False,
         scan_mode=None,
+        window=None,
     ):
         """``(T, grads, hessians)`` with per-segment ``(R, K)`` / ``(R, K, K)`` blocks.
+
+        With :attr:`windows` (``row_batch``), ``window`` (a symbolic integer, taken
+        modulo the number of windows) selects the rows whose observations are
+        evaluated.
 
         ``draws`` (a :class:`~pymc_mcssvi.terms.base.Chunk` of draw positions, fixed
         draws only) restricts the averages to those draws, weighted: their part of the
@@ -224,7 +316,13 @@ class GeneralEstimator:
         if need_hessian and self.per_observation is not None:
             return self.per_observation.expectations(W, self.maps, average)
         graphs = self._graphs if (need_hessian and not by_color) else self._graphs[:2]
-        if self.parts is not None:
+        if self.windows is not None:
+            if window is None:
+                raise ValueError("a row_batch estimator evaluates one window at a time")
+            window = window % self.windows.n_windows
+            vals = [*self.windows.parts.values(vectorize_graph, W, scan_mode, window)]
+            vals += vectorize_graph(list(graphs[2:]), {self._w: W})
+        elif self.parts is not None:
             vals = [*self.parts.values(vectorize_graph, W, scan_mode)]
             vals += vectorize_graph(list(graphs[2:]), {self._w: W})
         else:
@@ -234,6 +332,13 @@ class GeneralEstimator:
         # segments the terms do not read: no gradient, no Hessian
         read = [bool(set(seg.members) & self.reads) for seg in self.tlm.segments]
         grads = [g[idx] if r else None for idx, r in zip(self.maps, read, strict=True)]
+        # a window's terms, scaled to all rows for every segment but the batched one
+        # (whose rows outside the window do not move)
+        scale = None if self.windows is None else self.windows.scale(window)
+        scaled = lambda x, s: x if (scale is None or x is None or s == self.batched) else scale * x  # noqa: E731
+        if scale is not None:
+            T = scale * T
+            grads = [scaled(x, s) for s, x in enumerate(grads)]
         if not need_hessian:
             return T, grads, [None] * len(states)
         if by_color:
@@ -246,15 +351,16 @@ class GeneralEstimator:
                 hess.append(None)
                 continue
             if s in stein_rows:
-                hess.append(_stein_blocks(vals[1][:, idx], *stein_rows[s], average))
+                hess.append(scaled(_stein_blocks(vals[1][:, idx], *stein_rows[s], average), s))
                 continue
             if s in stein:
                 # Stein's identity: E[g(w) (w - m)] = H S for the diagonal S, entry by entry
                 dev, var = stein[s]
                 diag = average(vals[1][:, idx.reshape(-1)] * dev) / var
-                hess.append(diag[:, None, None])
+                hess.append(scaled(diag[:, None, None], s))
                 continue
             blocks = _blocks(HV, idx, self._color_of)
+            # (products: of the whole terms, all rows, never scaled)
             hess.append(0.5 * (blocks + blocks.dimshuffle(0, 2, 1)))
         return T, grads, hess
 
@@ -306,6 +412,22 @@ class GeneralEstimator:
                 shape = out.type.shape
                 elements += float(np.prod([1 if d is None else d for d in shape], dtype=float))
         return elements
+
+
+def _batchable(tlm) -> list[int]:
+    """Segments that can be moved a window of rows at a time (``row_batch``): one
+    per-row global each (a block per row, or a diagonal), read by the general terms,
+    largest first."""
+    read = general_reads(tlm)
+    out = []
+    for s, seg in enumerate(tlm.segments):
+        if len(seg.members) != 1 or seg.kind not in ("block", "diag"):
+            continue
+        (gid,) = seg.members
+        g = tlm.gaussians[gid]
+        if gid in read and len(g.shape) >= 1 and int(g.shape[0]) > 1:
+            out.append(s)
+    return sorted(out, key=lambda s: -tlm.segments[s].dim)
 
 
 def _average(x):

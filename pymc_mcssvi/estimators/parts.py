@@ -43,9 +43,10 @@ from pytensor.tensor.elemwise import CAReduce, DimShuffle, Elemwise
 from pytensor.tensor.math import Sum
 from pytensor.tensor.subtensor import AdvancedSubtensor
 
+from pymc_mcssvi.recognize.graph import gather_index
 from pymc_mcssvi.recognize.vectorize import shapes_at_fixed
 
-__all__ = ["PART_BYTES", "ObservationParts", "observation_axes"]
+__all__ = ["PART_BYTES", "ObservationParts", "RowWindows", "observation_axes"]
 
 #: Bytes of one draw's observation-indexed intermediates per part. Large enough that
 #: the globals-only nodes each part recomputes (a ``K x V`` softmax) stay a small
@@ -157,13 +158,13 @@ def observation_axes(total: Variable, leaves: list[Variable]):
     return axes, reducers
 
 
-def _candidate_leaves(total: Variable) -> dict[int, list[Variable]]:
-    """Constant leaves of ``total`` with at least :data:`MIN_ROWS` rows, by row count."""
+def _candidate_leaves(total: Variable, min_rows: int = MIN_ROWS) -> dict[int, list[Variable]]:
+    """Constant leaves of ``total`` with at least ``min_rows`` rows, by row count."""
     out: dict[int, list[Variable]] = {}
     for v in graph_inputs([total]):
         if isinstance(v, Constant) and getattr(v.type, "ndim", 0) >= 1:
             n = int(np.shape(v.data)[0])
-            if n >= MIN_ROWS:
+            if n >= min_rows:
                 out.setdefault(n, []).append(v)
     return out
 
@@ -180,13 +181,18 @@ class ObservationParts:
         Observations, parts, observations per part (the last part padded).
     """
 
-    def __init__(self, total, w, leaves, reducers, axes, n_parts):
+    def __init__(self, total, w, leaves, reducers, axes, n_parts=None, order=None):
         self.w = w
         self.n_rows = int(np.shape(leaves[0].data)[0])
-        self.n_parts = int(n_parts)
-        self.part_rows = -(-self.n_rows // self.n_parts)
-        L, padded = self.part_rows, self.part_rows * self.n_parts
-        order = np.arange(padded) % self.n_rows  # padding repeats the first rows
+        if order is None:  # n_parts slices of the rows, the last padded
+            self.n_parts = int(n_parts)
+            self.part_rows = -(-self.n_rows // self.n_parts)
+            order = np.arange(self.part_rows * self.n_parts)
+            order[order >= self.n_rows] = -1  # padding (-1): masked out
+            order = order.reshape((self.n_parts, self.part_rows))
+        order = np.asarray(order)
+        self.n_parts, L = order.shape[-2], order.shape[-1]
+        self.part_rows = L
         self.mask = pt.vector("part_mask", shape=(L,))
         # the sums' inputs masked (by a mask of any length: the static length of the
         # inputs is the whole term's until the leaves are replaced by one part's rows)
@@ -200,12 +206,13 @@ class ObservationParts:
             masked[node.outputs[0]] = node.op(pt.switch(keep, x, pt.zeros_like(x)))
         total = graph_replace(total, masked, strict=False)
         holders, values = {}, []
+        rows = np.where(order >= 0, order, 0)  # padding: the first row, masked out
         for leaf in leaves:
             data = np.asarray(leaf.data)
             holders[leaf] = pt.tensor(
                 f"{leaf.name or 'rows'}_part", dtype=leaf.dtype, shape=(L, *data.shape[1:])
             )
-            values.append(pt.constant(data[order].reshape((self.n_parts, L, *data.shape[1:]))))
+            values.append(pt.constant(data[rows]))
         self.total = clone_replace(total, {**holders, any_mask: self.mask}, rebuild_strict=False)
         self.holders = list(holders.values())
         # shapes read at fixed inputs: batched over draws, they would become Blockwise
@@ -213,9 +220,9 @@ class ObservationParts:
         self.total, self.grad = shapes_at_fixed(
             [w, self.mask, *self.holders], [self.total, pt.grad(self.total, w)]
         )
-        masks = (np.arange(padded) < self.n_rows).astype("float64").reshape((self.n_parts, L))
-        #: per part, the leaves' rows and the mask: the sequences of the scan
-        self.sequences = [*values, pt.constant(masks)]
+        #: per part (per window and part, with :meth:`windows`), the leaves' rows and
+        #: the mask: the sequences of the scan
+        self.sequences = [*values, pt.constant((order >= 0).astype("float64"))]
 
     @classmethod
     def build(cls, total: Variable, w: Variable, bytes_per_draw: float):
@@ -233,11 +240,14 @@ class ObservationParts:
             return cls(total, w, leaves, reducers, axes, min(n_parts, n // 2))
         return None
 
-    def values(self, vectorize, W, mode=None):
+    def values(self, vectorize, W, mode=None, window=None):
         """Per draw the value and the gradient with respect to ``w``, summed over the
         parts: ``(n,)`` and ``(n, dim)`` for the draws ``W`` (``(n, dim)``).
         ``vectorize(graphs, replace)`` batches a graph over the draws; ``mode`` is the
-        scan's compile mode (the step's, as for the kernel's chunk scans)."""
+        scan's compile mode (the step's, as for the kernel's chunk scans). ``window``
+        (a symbolic integer, parts laid out by :class:`RowWindows`) sums that window's
+        parts only."""
+        sequences = self.sequences if window is None else [s[window] for s in self.sequences]
 
         def step(*args):
             *rows, mask, value, grad = args
@@ -250,6 +260,125 @@ class ObservationParts:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", "The `mode` argument of `scan`", FutureWarning)
             value, grad = pytensor.scan(
-                step, sequences=self.sequences, outputs_info=init, return_updates=False, mode=mode
+                step, sequences=sequences, outputs_info=init, return_updates=False, mode=mode
             )
         return value[-1], grad[-1]
+
+
+class RowWindows:
+    """A general term's sum over observations restricted to a window of the rows of a
+    per-row global (a topic model's documents), for fits that move ``batch`` rows a
+    step (``row_batch``).
+
+    The observations (the rows of the term's constant leaves, e.g. a document's
+    nonzero counts) are grouped by the row of the global they read, ``index``
+    (``d`` in ``theta[d]``); window ``j`` holds the observations of rows
+    ``lo[j] <= r < hi[j]`` (consecutive rows, ``batch`` of them, the last window
+    shorter), laid out as parts (:class:`ObservationParts`) padded to the longest
+    window. Use :meth:`build`, which checks that an observation reads the global's
+    rows only through its own index.
+
+    Attributes
+    ----------
+    parts : ObservationParts
+        The windows' parts: ``parts.values(..., window=j)`` sums window ``j``.
+    lo, hi : numpy.ndarray
+        Each window's first and one-past-last row.
+    n_windows, n_rows : int
+        Windows, rows of the global.
+    """
+
+    def __init__(self, parts, lo, hi, n_rows):
+        self.parts = parts
+        self.lo, self.hi = np.asarray(lo), np.asarray(hi)
+        self.n_windows = len(self.lo)
+        self.n_rows = int(n_rows)
+
+    @classmethod
+    def build(cls, total, w, bytes_per_draw, positions, batch, check=None):
+        """The windows of ``total``'s observations by the rows of the global whose
+        ``(R, K)`` flat positions in ``w`` are ``positions``, ``batch`` rows each.
+
+        Returns ``(windows, None)``, or ``(None, reason)`` when ``total`` is not a sum
+        over observations each reading one row of that global through a constant
+        index. ``check(parts, window)`` returns the gradient of a window's total
+        with respect to ``w`` (at some point): rows outside the window must get
+        none, which :meth:`build` verifies on the first windows.
+        """
+        R = positions.shape[0]
+        found = None
+        for _, leaves in sorted(_candidate_leaves(total, 2).items(), reverse=True):
+            found = observation_axes(total, leaves)
+            if found is not None:
+                break
+        if found is None:
+            return None, (
+                "its log density is not a sum over observations (the rows of its constant "
+                "arrays) that keeps each observation on its own row"
+            )
+        axes, reducers = found
+        index = _row_index(total, leaves, R)
+        if index is None:
+            return None, (
+                f"no observation index gathers the {R} rows (theta[d] with a constant "
+                "integer d, one entry per observation)"
+            )
+        d = np.asarray(index.data).astype("int64") % R
+        batch = int(min(max(int(batch), 1), R))
+        lo = np.arange(0, R, batch)
+        hi = np.minimum(lo + batch, R)
+        window_of = d // batch
+        counts = np.bincount(window_of, minlength=len(lo))
+        longest = max(int(counts.max()), 1)
+        n_rows_all = len(d)
+        per_window = bytes_per_draw * longest / max(n_rows_all, 1)
+        n_sub = int(min(max(np.ceil(per_window / PART_BYTES), 1), longest))
+        L = -(-longest // n_sub)
+        order = np.full((len(lo), n_sub * L), -1, dtype="int64")
+        sort = np.argsort(window_of, kind="stable")
+        starts = np.concatenate([[0], np.cumsum(counts)])
+        for j in range(len(lo)):
+            order[j, : counts[j]] = sort[starts[j] : starts[j + 1]]
+        parts = ObservationParts(
+            total, w, leaves, reducers, axes, order=order.reshape((len(lo), n_sub, L))
+        )
+        windows = cls(parts, lo, hi, R)
+        if check is not None:
+            for j in range(min(len(lo), 3)):
+                g = np.asarray(check(parts, j))[positions]  # (R, K)
+                outside = np.ones(R, dtype=bool)
+                outside[lo[j] : hi[j]] = False
+                if np.any(g[outside] != 0.0):
+                    return None, (
+                        "an observation reads rows of it other than its own (row "
+                        f"{int(np.flatnonzero(np.any(g != 0.0, axis=1) & outside)[0])} from "
+                        f"the observations of rows {lo[j]}-{hi[j] - 1})"
+                    )
+        return windows, None
+
+    def rows_in(self, window):
+        """``(R,)`` booleans: the rows of window ``window`` (symbolic integer)."""
+        r = pt.arange(self.n_rows)
+        return (r >= pt.constant(self.lo)[window]) & (r < pt.constant(self.hi)[window])
+
+    def scale(self, window):
+        """The weight of a window's term in the estimate of the whole term: the number
+        of windows. The steps visit the windows in turn, each as often, so the
+        average of the scaled windows is the whole term (rows / window rows would
+        over-weight a shorter last window)."""
+        return pt.constant(float(self.n_windows))
+
+
+def _row_index(total, leaves, R):
+    """The leaf among ``leaves`` that gathers ``R`` rows (``x[d]``, ``x`` with ``R``
+    rows and not itself observation-indexed), if exactly one does."""
+    found = set()
+    for node in io_toposort(list(graph_inputs([total])), [total]):
+        idx = gather_index(node)
+        if idx is None or idx not in leaves:
+            continue
+        x = node.inputs[0]
+        if x in leaves or x.type.shape[0] != R:
+            continue
+        found.add(idx)
+    return found.pop() if len(found) == 1 else None

@@ -176,6 +176,19 @@ class StructuredVI(Inference):
         The bound estimate is then stochastic, so the default schedule is
         ``"power"`` and convergence is judged on windowed averages, as with
         ``pm.Minibatch``.
+    row_batch : int, optional
+        Move a per-row global (one block of q per row, read by ``pm.Potential`` or
+        other Monte Carlo terms: a topic model's document logits) ``row_batch`` rows at
+        a time, round robin: each step evaluates the terms on those rows'
+        observations only, takes a natural step for those rows (the schedule counted
+        in passes over the rows; the first pass takes whole steps) and keeps the
+        others, and steps the other globals with the terms scaled by the number of
+        windows (the paper's CTM algorithm, one document a step at ``row_batch=1``). The
+        priors, hyperparameters included, are evaluated on all rows every step. The
+        bound estimate is stochastic: the default schedule is ``"power"`` with ``tau``
+        the number of windows, and convergence is judged on windowed averages, as with
+        ``pm.Minibatch``. The terms must be sums over observations that each read one
+        row through a constant index (``theta[d]``); anything else is refused.
     linear_response : bool, optional
         Default: True, except with local scales (below).
         With ``hyper="meanfield"``: the returned approximation corrects the
@@ -270,6 +283,7 @@ class StructuredVI(Inference):
         n_rayleigh_nodes=6,
         bilinear_draws="auto",
         row_subsample=None,
+        row_batch=None,
         linear_response=None,
         hyper_marginal="profile",
         chunk_size=None,
@@ -326,11 +340,23 @@ class StructuredVI(Inference):
                     "model has none: use pm.Minibatch to subsample its rows"
                 )
             # Subsampled bounds are stochastic: schedules and stopping as for minibatches.
-            minibatch = self.stochastic = (
+            if row_batch is not None and (
                 self.tlm.minibatch or row_subsample is not None or dask_batch is not None
+            ):
+                raise ValueError(
+                    "row_batch moves all rows of the data in turn: use it without "
+                    "pm.Minibatch, row_subsample or dask_batch"
+                )
+            minibatch = self.stochastic = (
+                self.tlm.minibatch
+                or row_subsample is not None
+                or dask_batch is not None
+                or row_batch is not None
             )
             if fixed_draws is None:
-                fixed_draws = not minibatch
+                # row_batch: the full-batch fit's draws (a window's chunks of draws are
+                # reduced in the step, as in full batch), the same fixed point
+                fixed_draws = not minibatch or (row_batch is not None and not self.tlm.minibatch)
             if n_starts > 1 and minibatch:
                 raise ValueError(
                     "n_starts compares the starts' bounds, which a pm.Minibatch or row_subsample "
@@ -352,9 +378,12 @@ class StructuredVI(Inference):
                 seed=seed,
                 bilinear_draws=bilinear_draws,
                 row_subsample=row_subsample,
+                row_batch=row_batch,
             )
             if tau is None:
                 tau = self.bound.bilinear.mean_row_weight() if row_subsample is not None else 1.0
+                if row_batch is not None:
+                    tau = float(self.bound.row_windows.n_windows)
             sched_kw = {"tau": tau, "kappa": kappa}
             if rho0 is not None:
                 sched_kw["rho0"] = rho0
@@ -1304,6 +1333,11 @@ def check_options(options: dict, model) -> None:
         raise ValueError(
             "chunk_size must be a positive integer (observations per chunk) or None, "
             f"got {options['chunk_size']!r}"
+        )
+    if options["row_batch"] is not None and not _is_positive_int(options["row_batch"]):
+        raise ValueError(
+            f"row_batch must be a positive integer (rows per step) or None, got "
+            f"{options['row_batch']!r}"
         )
     if options["dask_batch"] is not None and not _is_positive_int(options["dask_batch"]):
         raise ValueError(

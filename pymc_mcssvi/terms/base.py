@@ -50,7 +50,8 @@ class EvalOptions(NamedTuple):
         Matrix factorization: the side whose derivatives are wanted (both if ``None``).
     step : symbolic int or None
         Matrix factorization with ``row_subsample``: which window of each row's
-        observations the evaluation takes.
+        observations the evaluation takes; with ``row_batch``: which window of rows
+        the Monte Carlo terms take (modulo the windows).
     by_node : bool
         One-dimensional quadratures a node at a time (a JAX step).
     scans : bool

@@ -37,6 +37,7 @@ class MonteCarloTerm(Term):
             draws=chunk,
             by_color=opts.scans,
             scan_mode=opts.scan_mode,
+            window=opts.step if self.estimator.windows is not None else None,
         )
         value = add_to(stats.value, T)
         grads, hessians = list(stats.grads), list(stats.hessians)

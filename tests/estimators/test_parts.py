@@ -136,3 +136,49 @@ def test_only_sums_over_the_observations_are_split(form, split):
     d, c = _leaves()
     total = form(pt.exp(x), w, d, c)
     assert (parts.observation_axes(total, [d, c]) is not None) is split
+
+
+# ------------------------------------------------------------------ row windows
+
+
+def _run(outs):
+    """Values of ``outs`` (``None`` kept)."""
+    vals = iter(pytensor.function([], [x for x in outs if x is not None])())
+    return [None if x is None else next(vals) for x in outs]
+
+
+def _window(est, states, window=None):
+    kw = {} if window is None else {"window": pt.constant(window)}
+    T, g, H = est.expectations(states, "precision", **kw)
+    return _run([T, *g, *H])
+
+
+def test_row_windows_add_up_to_the_whole_term():
+    # row_batch: window j holds the observations of rows lo[j]:hi[j] of the documents'
+    # logits. Its value and the other globals' derivatives are scaled by the number of
+    # windows; unscaled, the windows add up to the whole term's value, gradients and Stein
+    # Hessians, and the batched rows outside a window get nothing from it
+    tlm = recognize(_potential_ctm())
+    est = GeneralEstimator(tlm, row_batch=7)
+    win, batched, nseg = est.windows, est.batched, len(tlm.segments)
+    assert win.n_windows == 6 and list(win.hi - win.lo) == [7] * 5 + [5]
+    assert [tlm.gaussians[g].name for g in tlm.segments[batched].members] == ["eta"]
+    states = _states(tlm)
+    expected = _window(GeneralEstimator(tlm), states)
+    total = [0.0 if x is not None else None for x in expected]
+    for j in range(win.n_windows):
+        outs = _window(est, states, j)
+        scale = win.n_windows  # each window as often: their average is the whole
+        outside = np.ones(tlm.segments[batched].rows, dtype=bool)
+        outside[win.lo[j] : win.hi[j]] = False
+        for x in (outs[1 + batched], outs[1 + nseg + batched]):
+            assert np.all(x[outside] == 0.0) and np.any(x[~outside] != 0.0)
+        for k, x in enumerate(outs):
+            if x is not None:
+                own = k in (1 + batched, 1 + nseg + batched)
+                total[k] = total[k] + (x if own else x / scale)
+    for a, b in zip(expected, total, strict=True):
+        if a is None:
+            assert b is None
+        else:
+            np.testing.assert_allclose(b, a, rtol=1e-9, atol=1e-8)

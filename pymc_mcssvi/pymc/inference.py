@@ -180,15 +180,18 @@ class StructuredVI(Inference):
         Move a per-row global (one block of q per row, read by ``pm.Potential`` or
         other Monte Carlo terms: a topic model's document logits) ``row_batch`` rows at
         a time, round robin: each step evaluates the terms on those rows'
-        observations only, takes a natural step for those rows (the schedule counted
-        in passes over the rows; the first pass takes whole steps) and keeps the
-        others, and steps the other globals with the terms scaled by the number of
-        windows (the paper's CTM algorithm, one document a step at ``row_batch=1``). The
-        priors, hyperparameters included, are evaluated on all rows every step. The
-        bound estimate is stochastic: the default schedule is ``"power"`` with ``tau``
-        the number of windows, and convergence is judged on windowed averages, as with
-        ``pm.Minibatch``. The terms must be sums over observations that each read one
-        row through a constant index (``theta[d]``); anything else is refused.
+        observations only, takes a whole natural step for those rows (their optimum
+        given the other globals) and keeps the others, and steps the other globals
+        with the terms scaled by the number of windows (the paper's CTM algorithm, one
+        document a step at ``row_batch=1``). The priors, hyperparameters included, are
+        evaluated on all rows every step. The bound estimate is stochastic: the
+        default schedule is ``"power"`` counted in passes over the rows, and
+        convergence is judged on windowed averages, as with ``pm.Minibatch``. The
+        terms must be sums over observations that each read one row through a
+        constant index (``theta[d]``); anything else is refused. A step costs about
+        ``row_batch / rows`` of a full-batch step; per pass over the rows the fit
+        progresses more slowly than full batch (docs/benchmarks.md, "CTM at NIPS
+        scale").
     linear_response : bool, optional
         Default: True, except with local scales (below).
         With ``hyper="meanfield"``: the returned approximation corrects the
@@ -382,8 +385,6 @@ class StructuredVI(Inference):
             )
             if tau is None:
                 tau = self.bound.bilinear.mean_row_weight() if row_subsample is not None else 1.0
-                if row_batch is not None:
-                    tau = float(self.bound.row_windows.n_windows)
             sched_kw = {"tau": tau, "kappa": kappa}
             if rho0 is not None:
                 sched_kw["rho0"] = rho0

@@ -385,7 +385,8 @@ def _check_rows_of_a_batch(tlm, model) -> None:
                 "documents (rows): per-row latent variables cannot be fitted from minibatches",
                 f"fit all the rows at once: pass the full data instead of pm.Minibatch and "
                 f"give {g.name!r} one row per row of the data (the step's memory stays "
-                "bounded: it is reduced chunk by chunk)",
+                "bounded: it is reduced chunk by chunk; pm.fit(..., row_batch=B) then moves "
+                "B rows a step)",
             )
 
 

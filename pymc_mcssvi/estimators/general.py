@@ -123,9 +123,9 @@ class GeneralEstimator:
         #: with ``row_batch``: the windows of the rows and the segment they batch
         self.windows, self.batched = None, None
         batched = _batchable(tlm) if row_batch is not None else []
-        # With row_batch every Hessian block of the globals the terms read comes from
-        # the gradients (Stein's identity): a window's products would be taken over
-        # all rows. Globals in full segments still need products (refused below).
+        # With row_batch every Hessian block or diagonal of the globals the terms read
+        # comes from the window's gradients (Stein's identity). Globals in full
+        # segments still take products, of the whole terms (all rows, not scaled).
         self._diagonal = tuple(tlm.general_diagonal)
         self._blocks_stein = tuple(tlm.general_stein_blocks)
         if row_batch is not None:

@@ -494,9 +494,9 @@ class StepKernel:
         nseg = self.nseg
         whole = chunk is None
         cand = [GaussianBlocks(m, f) for m, f in zip(*state.cand, strict=True)]
-        # The factors move in turn: a factor's subsample windows advance once per
-        # step of that factor, whether or not the other side is computed too.
-        turns = pt.cast(state.t, "int64") // self.n_phases
+        # (a factor's subsample windows advance once per step of that factor, whether
+        # or not the other side is computed too: see _turns)
+        turns = self._turns(state.t)
         ev = self.bound.evaluate(
             cand,
             phase=self._next_phase_only(state.phase),
@@ -605,6 +605,13 @@ class StepKernel:
         sums = sums if isinstance(sums, list | tuple) else [sums]
         return rebuild([x[-1] for x in sums])
 
+    def _turns(self, t):
+        """The evaluation's number for the accepted-step count ``t``
+        (:attr:`EvalOptions.step <pymc_mcssvi.terms.base.EvalOptions>`): the factors
+        of a matrix factorization move in turn, so a factor's subsample windows (and
+        ``row_batch``'s windows of rows) advance once per step of that factor."""
+        return pt.cast(t, "int64") // self.n_phases
+
     def _window_step(self, t_old, accept, base, g, H, scale, t, opt, stepped, stepped_opt):
         """``row_batch``: the batched segment's step moves the rows of the window whose
         ``g`` and ``H`` the base holds (the candidate's window if it was accepted, the
@@ -613,9 +620,10 @@ class StepKernel:
         bound): the step to their optimum given the other globals, as stochastic
         variational inference re-fits its local variables (decreasing steps counted
         in passes left a topic model at 6.07 nats instead of 6.02)."""
-        s, n = self.bound.general.batched, self.windows.n_windows
-        evaluated = pt.maximum(pt.cast(t_old, "int64") - pt.cast(~accept, "int64"), 0)
-        rows = self.bound.general.window_rows(evaluated % n)
+        s = self.bound.general.batched
+        # the accepted-step count at which the base's g and H were evaluated
+        evaluated = self._turns(pt.maximum(t_old - pt.cast(~accept, "float64"), 0.0))
+        rows = self.bound.general.window_rows(evaluated % self.windows.n_windows)
         rho_rows = pt.minimum(scale, 1.0)
         (moved,), (moved_opt,) = self.algorithm.step(
             [base[s]], [g[s]], [H[s]], rho_rows, scale, t, [opt[s]]

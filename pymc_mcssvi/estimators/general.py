@@ -122,14 +122,15 @@ class GeneralEstimator:
         self.offsets, self.dim, self.maps = flat_indices(tlm)
         #: with ``row_batch``: the windows of the rows and the segment they batch
         self.windows, self.batched = None, None
-        batched = _batchable(tlm) if row_batch is not None else []
+        #: ids of the Gaussian globals the general terms read
+        read = self.reads = general_reads(tlm)
+        batched = _batchable(tlm, read) if row_batch is not None else []
         # With row_batch every Hessian block or diagonal of the globals the terms read
         # comes from the window's gradients (Stein's identity). Globals in full
         # segments still take products, of the whole terms (all rows, not scaled).
         self._diagonal = tuple(tlm.general_diagonal)
         self._blocks_stein = tuple(tlm.general_stein_blocks)
         if row_batch is not None:
-            read = general_reads(tlm)
             members = lambda kind: {  # noqa: E731
                 g for seg in tlm.segments if seg.kind == kind for g in seg.members if g in read
             }
@@ -146,8 +147,6 @@ class GeneralEstimator:
         #: Stein's identity, so only the value and gradient are needed), or None
         self.parts = None
         self.active = bool(tlm.general_terms)
-        #: ids of the Gaussian globals the general terms read
-        self.reads: set[int] = set()
         if not self.active:
             return
         w = pt.vector("w_flat", shape=(self.dim,))
@@ -158,7 +157,6 @@ class GeneralEstimator:
         grad = pt.grad(total, w)
         # one Hessian-vector product per color: coordinate k of every row of the
         # row-separable globals at once, and one per coordinate of the others
-        read = self.reads = general_reads(tlm)
         no_products = tuple(self._diagonal) + self._blocks_stein
         self._color_of = hessian_colors(tlm.gaussians, tlm.general_rows, read, no_products)
         n_colors = max(int(self._color_of[:, 0].max()) + 1, 1)
@@ -198,7 +196,7 @@ class GeneralEstimator:
         """Set :attr:`windows` and :attr:`batched` for ``row_batch`` rows a step, or
         raise :class:`~pymc_mcssvi.exceptions.UnsupportedModelError` saying why not."""
         if not batched:
-            read = general_reads(self.tlm)
+            read = self.reads
             shared = [
                 self.tlm.gaussians[g].name
                 for seg in self.tlm.segments
@@ -334,7 +332,7 @@ class GeneralEstimator:
         grads = [g[idx] if r else None for idx, r in zip(self.maps, read, strict=True)]
         # a window's terms, scaled to all rows for every segment but the batched one
         # (whose rows outside the window do not move)
-        scale = None if self.windows is None else self.windows.scale(window)
+        scale = None if self.windows is None else self.windows.scale
         scaled = lambda x, s: x if (scale is None or x is None or s == self.batched) else scale * x  # noqa: E731
         if scale is not None:
             T = scale * T
@@ -414,11 +412,10 @@ class GeneralEstimator:
         return elements
 
 
-def _batchable(tlm) -> list[int]:
+def _batchable(tlm, read) -> list[int]:
     """Segments that can be moved a window of rows at a time (``row_batch``): one
-    per-row global each (a block per row, or a diagonal), read by the general terms,
-    largest first."""
-    read = general_reads(tlm)
+    per-row global each (a block per row, or a diagonal), read by the general terms
+    (``read``: their ids), largest first."""
     out = []
     for s, seg in enumerate(tlm.segments):
         if len(seg.members) != 1 or seg.kind not in ("block", "diag"):

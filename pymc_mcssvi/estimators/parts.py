@@ -169,6 +169,17 @@ def _candidate_leaves(total: Variable, min_rows: int = MIN_ROWS) -> dict[int, li
     return out
 
 
+def _sum_over_rows(total: Variable, min_rows: int = MIN_ROWS):
+    """``(leaves, axes, reducers)`` for the constant leaves (at least ``min_rows`` rows,
+    the longest first) over whose rows ``total`` is a sum (:func:`observation_axes`),
+    or ``None``."""
+    for _, leaves in sorted(_candidate_leaves(total, min_rows).items(), reverse=True):
+        found = observation_axes(total, leaves)
+        if found is not None:
+            return (leaves, *found)
+    return None
+
+
 class ObservationParts:
     """``total`` (a function of ``w``) evaluated on ``n_parts`` slices of its observations.
 
@@ -232,13 +243,12 @@ class ObservationParts:
         n_parts = int(np.ceil(bytes_per_draw / PART_BYTES))
         if n_parts < 2:
             return None
-        for n, leaves in sorted(_candidate_leaves(total).items(), reverse=True):
-            found = observation_axes(total, leaves)
-            if found is None:
-                continue
-            axes, reducers = found
-            return cls(total, w, leaves, reducers, axes, min(n_parts, n // 2))
-        return None
+        found = _sum_over_rows(total)
+        if found is None:
+            return None
+        leaves, axes, reducers = found
+        n = int(np.shape(leaves[0].data)[0])
+        return cls(total, w, leaves, reducers, axes, min(n_parts, n // 2))
 
     def values(self, vectorize, W, mode=None, window=None):
         """Per draw the value and the gradient with respect to ``w``, summed over the
@@ -286,6 +296,11 @@ class RowWindows:
         Each window's first and one-past-last row.
     n_windows, n_rows : int
         Windows, rows of the global.
+    scale : float
+        The weight of a window's term in the estimate of the whole term: the number
+        of windows. The steps visit the windows in turn, each as often, so the
+        average of the scaled windows is the whole term (rows / window rows would
+        over-weight a shorter last window).
     """
 
     def __init__(self, parts, lo, hi, n_rows):
@@ -293,6 +308,7 @@ class RowWindows:
         self.lo, self.hi = np.asarray(lo), np.asarray(hi)
         self.n_windows = len(self.lo)
         self.n_rows = int(n_rows)
+        self.scale = float(self.n_windows)
 
     @classmethod
     def build(cls, total, w, bytes_per_draw, positions, batch, check=None):
@@ -306,17 +322,13 @@ class RowWindows:
         none, which :meth:`build` verifies on the first windows.
         """
         R = positions.shape[0]
-        found = None
-        for _, leaves in sorted(_candidate_leaves(total, 2).items(), reverse=True):
-            found = observation_axes(total, leaves)
-            if found is not None:
-                break
+        found = _sum_over_rows(total, min_rows=2)
         if found is None:
             return None, (
                 "its log density is not a sum over observations (the rows of its constant "
                 "arrays) that keeps each observation on its own row"
             )
-        axes, reducers = found
+        leaves, axes, reducers = found
         index = _row_index(total, leaves, R)
         if index is None:
             return None, (
@@ -355,18 +367,6 @@ class RowWindows:
                         f"the observations of rows {lo[j]}-{hi[j] - 1})"
                     )
         return windows, None
-
-    def rows_in(self, window):
-        """``(R,)`` booleans: the rows of window ``window`` (symbolic integer)."""
-        r = pt.arange(self.n_rows)
-        return (r >= pt.constant(self.lo)[window]) & (r < pt.constant(self.hi)[window])
-
-    def scale(self, window):
-        """The weight of a window's term in the estimate of the whole term: the number
-        of windows. The steps visit the windows in turn, each as often, so the
-        average of the scaled windows is the whole term (rows / window rows would
-        over-weight a shorter last window)."""
-        return pt.constant(float(self.n_windows))
 
 
 def _row_index(total, leaves, R):
